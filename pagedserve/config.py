@@ -1,0 +1,81 @@
+"""Engine configuration: frozen, composed per component.
+
+Values derived at start-up (number of KV blocks, the resolved max_model_len, the EOS id)
+live on the engine, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            # Checkpoints are often bf16, but fp32 is the fast, exact choice on most CPUs.
+            return torch.float32 if device.type == "cpu" else torch.bfloat16
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        return _DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # None: a share of free memory (see worker/kv_cache.py).
+    kv_cache_memory_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    # A CPU runs ~2k tokens per forward pass in a fraction of a second; larger budgets
+    # mostly add decode latency when a long prompt arrives.
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

@@ -1,0 +1,38 @@
+"""What the scheduler tells the model runner to do in one step: integers and lists only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The runner computes K/V for tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)
+    and samples a token only if that range reaches the end of the request (`sample`).
+    """
+
+    request: Request
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_table: list[int]
+    sample: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    # Copy-on-write (src_block, dst_block) pairs to apply before the forward pass.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Requests preempted this step (their blocks are already free).
+    preempted_ids: list[str] = field(default_factory=list)
+    # Requests that finished since the last step, so the runner can drop per-request state.
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,189 @@
+"""Iteration-level scheduler: continuous batching with chunked prefill and preemption.
+
+Each step hands out one token budget (max_num_batched_tokens):
+  1. running requests first, oldest first: a decode costs 1 token, an unfinished
+     prefill takes the next chunk that fits the budget;
+  2. then waiting requests, FCFS, while the budget, max_num_seqs and KV blocks allow.
+When a running request cannot get a block, the most recently arrived running request
+is preempted (recompute: its blocks are freed and it goes back to the head of the
+waiting queue, to prefill prompt + outputs again). No waiting request is admitted in a
+step that preempted, so preempted requests are never overtaken.
+
+The scheduler counts tokens and block ids; it never touches tensors.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.sched_output import ScheduledRequest, SchedulerOutput
+from pagedserve.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions_total: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_usage: float
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, kv_manager: KVCacheManager) -> None:
+        self.limits = limits
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        # Kept sorted by arrival time, so the preemption victim is always the last one.
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+        self._finished_ids: list[str] = []
+
+    # ---- request lifecycle -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Ends requests wherever they are (abort, stop string); their blocks free at once."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._retire(request)
+
+    def _retire(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- scheduling --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
+        if not out.preempted_ids:
+            self._schedule_waiting(out, budget)
+        out.blocks_to_copy = self.kv.take_pending_copies()
+        out.finished_ids, self._finished_ids = self._finished_ids, []
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                break  # `request` itself was the last one and got preempted.
+            self._add_scheduled(out, request, num_new)
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        limits = self.limits
+        while self.waiting and budget > 0 and len(self.running) < limits.max_num_seqs:
+            request = self.waiting[0]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget and not limits.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.arrival_time)
+            self._add_scheduled(out, request, num_new)
+            budget -= num_new
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        out.scheduled.append(
+            ScheduledRequest(
+                request=request,
+                num_computed_tokens=start,
+                num_new_tokens=num_new,
+                block_table=self.kv.get_block_table(request.request_id),
+                sample=start + num_new == request.num_tokens,
+            )
+        )
+        out.num_batched_tokens += num_new
+
+    # ---- results -----------------------------------------------------------------------
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Advances counters, appends sampled tokens, retires requests that finished.
+
+        Args:
+            out: the step's schedule.
+            sampled: one entry per scheduled request: the new token id, or None if it
+                did not sample this step (a prefill chunk that is not the last).
+        Returns:
+            The requests that received a token this step (finished ones included).
+        """
+        updated = []
+        for item, token_id in zip(out.scheduled, sampled, strict=True):
+            request = item.request
+            if request.status.finished:
+                continue  # aborted between schedule() and now.
+            request.num_computed_tokens += item.num_new_tokens
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            updated.append(request)
+            if request.check_stop():
+                self.running.remove(request)
+                self._retire(request)
+        return updated
+
+    def stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions_total=self.num_preemptions_total,
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_total=pool.num_blocks,
+            kv_usage=pool.usage,
+        )

@@ -1,0 +1,237 @@
+"""The synchronous engine: step() = schedule -> run model -> sample -> update -> outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.scheduler import Scheduler, SchedulerLimits, SchedulerStats
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.outputs import RequestOutput
+from pagedserve.request import Request, RequestStatus
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.kv_cache import default_kv_cache_bytes, num_blocks_for
+from pagedserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    scheduler: SchedulerStats
+    num_prompt_tokens_total: int
+    num_generation_tokens_total: int
+    num_steps_total: int
+    last_step_num_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        torch.manual_seed(config.model.seed)
+        model_cfg = config.model
+        self.tokenizer = None if model_cfg.skip_tokenizer_init else load_tokenizer(
+            model_cfg.tokenizer or model_cfg.model
+        )
+        self.runner = ModelRunner(
+            model_cfg.model, model_cfg.torch_dtype(self.device), self.device, config.cache.block_size
+        )
+        hf_config = self.runner.hf_config
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_id = _eos_token_id(hf_config, self.tokenizer)
+        self.max_model_len = _resolve_max_model_len(hf_config, model_cfg.max_model_len)
+        self.num_blocks = self._size_kv_cache()
+        self.runner.initialize_kv_cache(self.num_blocks)
+        self.kv_manager = KVCacheManager(self.num_blocks, config.cache.block_size)
+        sched = config.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is disabled"
+            )
+        self.scheduler = Scheduler(
+            SchedulerLimits(sched.max_num_seqs, sched.max_num_batched_tokens, sched.enable_chunked_prefill),
+            self.kv_manager,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._next_request_id = 0
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._steps_total = 0
+        self._last_step_tokens = 0
+
+    def _size_kv_cache(self) -> int:
+        spec = self.runner.kv_cache_spec()
+        memory = self.config.cache.kv_cache_memory_bytes or default_kv_cache_bytes(self.device)
+        num_blocks = num_blocks_for(spec, memory)
+        capacity = num_blocks * spec.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"The KV cache ({memory} bytes = {num_blocks} blocks = {capacity} tokens) cannot hold one "
+                f"sequence of max_model_len={self.max_model_len} tokens; raise kv_cache_memory_bytes "
+                f"or lower max_model_len."
+            )
+        logger.info(
+            "KV cache: %d blocks = %d tokens (%.1f MiB), max concurrency %.2fx at max_model_len=%d",
+            num_blocks, capacity, num_blocks * spec.bytes_per_block / 2**20,
+            capacity / self.max_model_len, self.max_model_len,
+        )
+        return num_blocks
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        self._next_request_id += 1
+        return str(self._next_request_id - 1)
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validates and queues a request; raises ValueError naming the bad field."""
+        params = params or SamplingParams()
+        prompt_text, token_ids = self._tokenize(prompt)
+        params.validate_vocab(self.vocab_size)
+        self._validate_prompt(token_ids, params)
+        request_id = request_id if request_id is not None else self.new_request_id()
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            prompt=prompt_text,
+            max_output_tokens=min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids)),
+        )
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request)
+        return request_id
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text needs a tokenizer; pass prompt_token_ids (skip_tokenizer_init=True)")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the prompt has "
+                f"{len(token_ids)} tokens, leaving no room to generate (prompt too long)."
+            )
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        now = time.monotonic()
+        for request_id in ids:
+            self.output_processor.finish(request_id, now)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        now = time.monotonic()
+        for item in sched_out.scheduled:
+            if item.request.first_scheduled_time is None:
+                item.request.first_scheduled_time = now
+        runner_out = self.runner.execute_model(sched_out)
+        updated = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
+        self._record_step(sched_out)
+        logprobs_by_id = {
+            item.request.request_id: lp
+            for item, lp in zip(sched_out.scheduled, runner_out.logprobs, strict=True)
+            if lp is not None
+        }
+        now = time.monotonic()
+        outputs = []
+        for request in updated:
+            hit_stop = self.output_processor.process_token(request, logprobs_by_id.get(request.request_id), now)
+            if hit_stop and not request.status.finished:
+                # A stop string ends the request now; its blocks return to the pool this step.
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            finished = request.status.finished
+            outputs.append(self.output_processor.make_output(request, finished))
+            if finished:
+                self.output_processor.finish(request.request_id, now)
+        self._generation_tokens_total += len(updated)
+        return outputs
+
+    def _record_step(self, sched_out) -> None:
+        self._steps_total += 1
+        self._last_step_tokens = sched_out.num_batched_tokens
+        for item in sched_out.scheduled:
+            end = item.num_computed_tokens + item.num_new_tokens
+            prompt_part = max(0, min(end, item.request.num_prompt_tokens) - item.num_computed_tokens)
+            self._prompt_tokens_total += prompt_part
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            scheduler=self.scheduler.stats(),
+            num_prompt_tokens_total=self._prompt_tokens_total,
+            num_generation_tokens_total=self._generation_tokens_total,
+            num_steps_total=self._steps_total,
+            last_step_num_tokens=self._last_step_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        self.kv_manager.check_integrity()
+
+    def assert_no_leaks(self) -> None:
+        """Leak check: engine idle, every block free, every reference count zero."""
+        assert not self.has_unfinished_requests(), "engine still has unfinished requests"
+        self.kv_manager.assert_all_free()
+
+
+def _eos_token_id(hf_config: Any, tokenizer: Any) -> int | None:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return eos
+
+
+def _resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    if limit is None:
+        raise ValueError("config.json has no max_position_embeddings; pass max_model_len")
+    if requested is None:
+        return int(limit)
+    if requested > limit:
+        raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({limit})")
+    return requested

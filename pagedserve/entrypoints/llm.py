@@ -1,0 +1,163 @@
+"""The offline API, shaped like vLLM's `LLM` so vLLM scripts run by changing the import."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.engine.llm_engine import LLMEngine, PromptInput
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generates text for batches of prompts with continuous batching over a paged KV cache.
+
+    Args:
+        model: a Hugging Face folder (config.json, *.safetensors, tokenizer files).
+        tokenizer: tokenizer folder, if not the model's.
+        skip_tokenizer_init: no tokenizer; prompts must be token ids and outputs have no text.
+        dtype: "auto" (float32 on CPU), "float32", "bfloat16" or "float16".
+        seed: seed of the engine's random generator (requests without their own seed).
+        block_size: tokens per KV block.
+        kv_cache_memory_bytes: memory for the KV cache; default a share of free memory.
+        max_model_len: longest prompt + output; default the model's maximum.
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: token budget of one step.
+        enable_chunked_prefill: split long prompts over several steps.
+        device: "auto", "cpu" or "cuda".
+    """
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: str | None = None,
+        skip_tokenizer_init: bool = False,
+        dtype: str = "auto",
+        seed: int = 0,
+        block_size: int = 16,
+        kv_cache_memory_bytes: int | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        device: str = "auto",
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(
+                model=str(model),
+                tokenizer=str(tokenizer) if tokenizer is not None else None,
+                skip_tokenizer_init=skip_tokenizer_init,
+                dtype=dtype,
+                seed=seed,
+                max_model_len=max_model_len,
+            ),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            device=device,
+        )
+        self.llm_engine = LLMEngine(config)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; results come back in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast_params(sampling_params, len(prompt_list))
+        request_ids = self._add_all(prompt_list, params_list)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | list[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to each conversation, then generates."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was given)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+            # The template already placed any BOS token; do not add a second one.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _add_all(self, prompts: list[PromptInput], params: list[SamplingParams]) -> list[str]:
+        engine = self.llm_engine
+        added: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                added.append(engine.add_request(None, prompt, p))
+        except Exception:
+            # One bad prompt fails the call, but must not leave the others in the engine.
+            engine.abort_request(added)
+            raise
+        return added
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        generated = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    generated += 1
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+                if use_tqdm:
+                    bar.set_postfix_str(f"out tok/s: {generated / max(bar.format_dict['elapsed'], 1e-9):.1f}")
+        except BaseException:
+            engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        raise ValueError("prompts: pass token ids as {'prompt_token_ids': [...]}, not a bare list of ints")
+    return prompts
+
+
+def _broadcast_params(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts; pass one, or one per prompt")
+    return params

@@ -1,0 +1,114 @@
+"""Builds SamplingMetadata for the rows due a token this step (host lists -> tensors, once)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.request import Request
+from pagedserve.sample.metadata import PenaltyInputs, SamplingMetadata
+
+
+def build_sampling_metadata(
+    requests: list[Request],
+    generators: dict[str, torch.Generator],
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingMetadata:
+    """Args:
+        requests: one per logits row, in row order.
+        generators: the runner's per-request generators; seeded requests get theirs here.
+    """
+    params = [r.sampling_params for r in requests]
+    n = len(requests)
+    all_greedy = all(p.greedy for p in params)
+    temperature = greedy_mask = top_p = top_k = min_p = None
+    row_generators: dict[int, torch.Generator] = {}
+    if not all_greedy:
+        greedy = [p.greedy for p in params]
+        temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)], device=device)
+        if any(greedy):
+            greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=device)
+        if any(0 < p.top_k < vocab_size for p in params):
+            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], device=device)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device)
+        for row, (request, p) in enumerate(zip(requests, params, strict=True)):
+            if p.seed is not None and not p.greedy:
+                row_generators[row] = _generator_for(request, generators, device)
+    max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+    return SamplingMetadata(
+        num_rows=n,
+        all_greedy=all_greedy,
+        temperature=temperature,
+        greedy_mask=greedy_mask,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        generators=row_generators,
+        penalties=_penalties(requests, vocab_size, device),
+        logit_bias=_logit_bias(requests, device),
+        max_num_logprobs=max_logprobs,
+    )
+
+
+def _generator_for(request: Request, generators: dict[str, torch.Generator], device: torch.device) -> torch.Generator:
+    generator = generators.get(request.request_id)
+    if generator is None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(request.sampling_params.seed)
+        generators[request.request_id] = generator
+    return generator
+
+
+def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
+
+
+def _penalties(requests: list[Request], vocab_size: int, device: torch.device) -> PenaltyInputs | None:
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.needs_penalties]
+    if not rows:
+        return None
+    chosen = [requests[i] for i in rows]
+    sp = [r.sampling_params for r in chosen]
+    return PenaltyInputs(
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        presence=torch.tensor([p.presence_penalty for p in sp], device=device),
+        frequency=torch.tensor([p.frequency_penalty for p in sp], device=device),
+        repetition=torch.tensor([p.repetition_penalty for p in sp], device=device),
+        output_token_ids=_pad([r.output_token_ids for r in chosen], vocab_size, device),
+        prompt_token_ids=_pad([r.prompt_token_ids for r in chosen], vocab_size, device),
+    )
+
+
+def _logit_bias(
+    requests: list[Request], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for row, request in enumerate(requests):
+        p = request.sampling_params
+        if p.logit_bias:
+            for token_id, bias in p.logit_bias.items():
+                rows.append(row)
+                cols.append(token_id)
+                values.append(float(bias))
+        if request.num_output_tokens < p.min_tokens:
+            # min_tokens: the request may not stop yet, so its stop tokens are banned.
+            banned = set(p.stop_token_ids or [])
+            if not p.ignore_eos and request.eos_token_id is not None:
+                banned.add(request.eos_token_id)
+            for token_id in banned:
+                rows.append(row)
+                cols.append(token_id)
+                values.append(float("-inf"))
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(cols, dtype=torch.int64, device=device),
+        torch.tensor(values, device=device),
+    )

@@ -1,0 +1,124 @@
+"""Sampling parameters, validated at construction (vLLM's field names and defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    temperature 0 means greedy. Invalid values raise ValueError naming the field.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = all tokens
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    output_kind: str = "cumulative"  # or "delta" (streaming server)
+    _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self._stop_list = [self.stop]
+        else:
+            self._stop_list = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, allowed: str, value: object) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {value!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "an integer >= 1", self.n)
+        if self.n > 1 or (self.best_of is not None and self.best_of > 1):
+            raise ValueError(
+                "n > 1 and best_of > 1 (parallel sampling) are not supported yet; "
+                "use n=1 and send the request several times with different seeds."
+            )
+        if self.best_of is not None and self.best_of < self.n:
+            raise bad("best_of", f"an integer >= n ({self.n})", self.best_of)
+        if not 0.0 <= self.temperature:
+            raise bad("temperature", ">= 0", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]", self.top_p)
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "-1, 0 (disabled) or a positive integer", self.top_k)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]", self.min_p)
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "in [-2, 2]", self.presence_penalty)
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", "in (0, 2]", self.repetition_penalty)
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1", self.max_tokens)
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "an integer in [0, 20]", self.logprobs)
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "an integer", self.seed)
+        if any(not isinstance(s, str) or not s for s in self._stop_list):
+            raise bad("stop", "a non-empty string or a list of non-empty strings", self.stop)
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                if not isinstance(token_id, int) or not -100.0 <= float(bias) <= 100.0:
+                    raise bad("logit_bias", "a map of token id to a bias in [-100, 100]", self.logit_bias)
+        if self.output_kind not in ("cumulative", "delta"):
+            raise bad("output_kind", "'cumulative' or 'delta'", self.output_kind)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_list
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def validate_vocab(self, vocab_size: int) -> None:
+        """Checks the fields that refer to token ids against the model's vocabulary."""
+        for token_id in self.stop_token_ids or []:
+            if token_id >= vocab_size:
+                raise ValueError(f"stop_token_ids contains {token_id}, outside the vocabulary (size {vocab_size}).")
+        for token_id in (self.logit_bias or {}):
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"logit_bias contains token id {token_id}, outside the vocabulary (size {vocab_size}).")

@@ -1,0 +1,163 @@
+"""The model runner: turns a SchedulerOutput into flat tensors, runs the model, samples.
+
+It is the only place that builds tensors for a step. Per step:
+
+    schedule -> token ids, positions, slot mapping, block tables, query starts   (host lists -> tensors)
+             -> attention metadata (backend-specific, built once, shared by all layers)
+             -> model forward over the flat batch -> logits for the rows due a token
+             -> sampler -> one .tolist() at the end
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.attention.backend import get_attention_backend
+from pagedserve.attention.metadata import CommonAttentionMetadata
+from pagedserve.core.sched_output import SchedulerOutput
+from pagedserve.models.layers.attention import Attention
+from pagedserve.models.loader import load_model
+from pagedserve.sample.input_builder import build_sampling_metadata
+from pagedserve.sample.sampler import Sampler
+from pagedserve.worker.kv_cache import KVCacheSpec, allocate_kv_caches
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # One entry per scheduled request, in schedule order: the sampled token, or None.
+    sampled_token_ids: list[int | None]
+    # Per scheduled request: (token ids, logprobs, ranks) with the chosen token first, or None.
+    logprobs: list[tuple[list[int], list[float], list[int]] | None]
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, dtype: torch.dtype, device: torch.device, block_size: int) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.model, self.hf_config = load_model(model_path, dtype, device)
+        self.model.eval()
+        self.attn_layers = sorted(
+            (m for m in self.model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx
+        )
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.backend = get_attention_backend(device)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        self.generators: dict[str, torch.Generator] = {}
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        first = self.attn_layers[0]
+        return KVCacheSpec(
+            num_layers=len(self.attn_layers),
+            num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+        )
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(self.kv_cache_spec(), num_blocks, self.device)
+        for layer, cache in zip(self.attn_layers, self.kv_caches, strict=True):
+            layer.kv_cache = cache
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in sched.finished_ids:
+            self.generators.pop(request_id, None)
+        if sched.blocks_to_copy:
+            self._copy_blocks(sched.blocks_to_copy)
+        if sched.is_empty:
+            return ModelRunnerOutput([], [])
+        input_ids, positions, common, logits_indices = self._prepare_inputs(sched)
+        attn_metadata = self.backend.build_metadata(common)
+        hidden = self.model(input_ids, positions, attn_metadata)
+        sampling_rows = [item for item in sched.scheduled if item.sample]
+        if not sampling_rows:
+            return ModelRunnerOutput([None] * len(sched.scheduled), [None] * len(sched.scheduled))
+        logits = self.model.compute_logits(hidden[logits_indices])
+        meta = build_sampling_metadata(
+            [item.request for item in sampling_rows], self.generators, self.vocab_size, self.device
+        )
+        sampled = self.sampler(logits, meta)
+        return self._to_output(sched, sampled)
+
+    def _prepare_inputs(
+        self, sched: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata, torch.Tensor]:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        for item in sched.scheduled:
+            start, n = item.num_computed_tokens, item.num_new_tokens
+            token_ids.extend(item.request.token_ids_slice(start, start + n))
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            if item.sample:
+                logits_indices.append(len(token_ids) - 1)
+        max_blocks = max(len(item.block_table) for item in sched.scheduled)
+        block_tables = torch.tensor(
+            [item.block_table + [0] * (max_blocks - len(item.block_table)) for item in sched.scheduled],
+            dtype=torch.int64,
+        )
+        positions_t = torch.tensor(positions, dtype=torch.int64)
+        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
+        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
+        # Each token's slot: its request's block for (position // block_size), plus the offset.
+        request_index = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens_t)
+        bs = self.block_size
+        slot_mapping = block_tables[request_index, positions_t // bs] * bs + positions_t % bs
+        common = CommonAttentionMetadata(
+            num_tokens=len(token_ids),
+            num_seqs=len(query_lens),
+            block_size=bs,
+            slot_mapping=slot_mapping.to(self.device),
+            query_start_loc=query_start_loc.to(self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
+            block_tables=block_tables.to(self.device),
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        logits_idx = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
+        return input_ids, positions_t.to(self.device), common, logits_idx
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    def _to_output(self, sched: SchedulerOutput, sampled) -> ModelRunnerOutput:
+        # The step's only host sync: everything comes back as Python lists at once.
+        token_ids = sampled.token_ids.tolist()
+        lp = None
+        if sampled.logprobs is not None:
+            lp = (sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist(), sampled.ranks.tolist())
+        tokens_out: list[int | None] = []
+        logprobs_out: list[tuple[list[int], list[float], list[int]] | None] = []
+        row = 0
+        for item in sched.scheduled:
+            if not item.sample:
+                tokens_out.append(None)
+                logprobs_out.append(None)
+                continue
+            tokens_out.append(token_ids[row])
+            want = item.request.sampling_params.logprobs
+            if lp is not None and want is not None:
+                logprobs_out.append((lp[0][row][: want + 1], lp[1][row][: want + 1], lp[2][row][: want + 1]))
+            else:
+                logprobs_out.append(None)
+            row += 1
+        return ModelRunnerOutput(tokens_out, logprobs_out)

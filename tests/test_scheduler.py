@@ -1,0 +1,124 @@
+"""Scheduler tests with fake model outputs: no model, no tensors."""
+
+from __future__ import annotations
+
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.scheduler import Scheduler, SchedulerLimits
+from pagedserve.request import Request, RequestStatus
+from pagedserve.sampling_params import SamplingParams
+
+EOS = 999
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, chunked=True) -> Scheduler:
+    return Scheduler(SchedulerLimits(max_num_seqs, budget, chunked), KVCacheManager(num_blocks, block_size))
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int = 4, arrival: float = 0.0) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(1, prompt_len + 1)),
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        eos_token_id=EOS,
+        arrival_time=arrival,
+        max_output_tokens=max_tokens,
+    )
+
+
+def run_step(sched: Scheduler, token: int = 7):
+    out = sched.schedule()
+    sampled = [token if item.sample else None for item in out.scheduled]
+    sched.update_from_output(out, sampled)
+    sched.kv.check_integrity()
+    return out
+
+
+def plan(out) -> list[tuple[str, int]]:
+    return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_fcfs_admission_under_token_budget_with_chunked_prefill():
+    sched = make_scheduler(budget=10)
+    for i, n in enumerate([6, 7, 3]):
+        sched.add_request(make_request(f"r{i}", n, arrival=i))
+    out = run_step(sched)
+    # r0 takes 6, r1 gets the remaining 4 as its first chunk; r2 waits.
+    assert plan(out) == [("r0", 6), ("r1", 4)]
+    assert [s.sample for s in out.scheduled] == [True, False]
+    out = run_step(sched)
+    # r0 decodes 1, r1 finishes its prompt (3), r2 prefills (3).
+    assert plan(out) == [("r0", 1), ("r1", 3), ("r2", 3)]
+    assert all(s.sample for s in out.scheduled)
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room():
+    sched = make_scheduler(budget=10, chunked=False)
+    sched.add_request(make_request("a", 6, arrival=0))
+    sched.add_request(make_request("b", 7, arrival=1))
+    assert plan(run_step(sched)) == [("a", 6)]
+    assert plan(run_step(sched)) == [("a", 1), ("b", 7)]
+
+
+def test_max_num_seqs_caps_running_requests():
+    sched = make_scheduler(max_num_seqs=2, budget=100)
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", 2, arrival=i))
+    assert [r for r, _ in plan(run_step(sched))] == ["r0", "r1"]
+    assert len(sched.waiting) == 1
+
+
+def test_requests_leave_the_batch_in_the_step_they_finish():
+    sched = make_scheduler(budget=100)
+    sched.add_request(make_request("short", 2, max_tokens=1, arrival=0))
+    sched.add_request(make_request("long", 2, max_tokens=3, arrival=1))
+    run_step(sched)
+    assert [r.request_id for r in sched.running] == ["long"]
+    assert sched.kv.get_block_table("short") == []
+    sched.add_request(make_request("new", 2, arrival=2))
+    assert plan(run_step(sched)) == [("long", 1), ("new", 2)]
+
+
+def test_preemption_evicts_latest_arrival_and_it_resumes_first():
+    # 4 blocks of 4 tokens. Two requests of 8 prompt tokens fill the cache.
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    sched.add_request(make_request("old", 8, max_tokens=3, arrival=0))
+    sched.add_request(make_request("young", 8, max_tokens=3, arrival=1))
+    run_step(sched)  # both prefill (4 blocks used) and sample a token each
+    sched.add_request(make_request("late", 2, arrival=2))
+    out = run_step(sched)
+    # "old" needs a 3rd block for token 9: "young" (latest arrival) is preempted.
+    assert out.preempted_ids == ["young"]
+    assert plan(out) == [("old", 1)]
+    young = [r for r in sched.waiting if r.request_id == "young"][0]
+    assert young.status == RequestStatus.PREEMPTED and young.num_computed_tokens == 0
+    # The preempted request is at the head of the queue, ahead of "late".
+    assert [r.request_id for r in sched.waiting] == ["young", "late"]
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    sched.kv.assert_all_free()
+    assert sched.num_preemptions_total == 1
+
+
+def test_recompute_after_preemption_prefills_prompt_and_outputs():
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    sched.add_request(make_request("old", 8, max_tokens=3, arrival=0))
+    sched.add_request(make_request("young", 8, max_tokens=3, arrival=1))
+    run_step(sched)
+    run_step(sched)  # young preempted with 1 output token
+    young = sched.waiting[0]
+    assert young.num_output_tokens == 1
+    while young.status != RequestStatus.RUNNING:
+        out = run_step(sched)
+    # Its re-prefill covers the 8 prompt tokens plus its 1 output token, then samples.
+    assert ("young", 9) in plan(out)
+
+
+def test_abort_frees_blocks_at_once_wherever_the_request_is():
+    sched = make_scheduler(budget=8, max_num_seqs=1)
+    sched.add_request(make_request("run", 5, arrival=0))
+    sched.add_request(make_request("wait", 5, arrival=1))
+    run_step(sched)
+    sched.finish_requests(["run", "wait"], RequestStatus.FINISHED_ABORTED)
+    assert not sched.has_unfinished_requests()
+    sched.kv.assert_all_free()
+    assert sched.schedule().finished_ids == ["run", "wait"]
