@@ -45,6 +45,8 @@ class CacheConfig:
     block_size: int = 16
     # None: a share of free memory (see worker/kv_cache.py).
     kv_cache_memory_bytes: int | None = None
+    # Exact number of KV blocks, overriding the memory budget (tests, benchmarks).
+    num_gpu_blocks_override: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

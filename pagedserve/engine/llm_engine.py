@@ -72,8 +72,13 @@ class LLMEngine:
 
     def _size_kv_cache(self) -> int:
         spec = self.runner.kv_cache_spec()
-        memory = self.config.cache.kv_cache_memory_bytes or default_kv_cache_bytes(self.device)
-        num_blocks = num_blocks_for(spec, memory)
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            num_blocks = cache.num_gpu_blocks_override
+            memory = num_blocks * spec.bytes_per_block
+        else:
+            memory = cache.kv_cache_memory_bytes or default_kv_cache_bytes(self.device)
+            num_blocks = num_blocks_for(spec, memory)
         capacity = num_blocks * spec.block_size
         if capacity < self.max_model_len:
             raise ValueError(

@@ -26,6 +26,7 @@ class LLM:
         seed: seed of the engine's random generator (requests without their own seed).
         block_size: tokens per KV block.
         kv_cache_memory_bytes: memory for the KV cache; default a share of free memory.
+        num_gpu_blocks_override: exact number of KV blocks (overrides the memory budget).
         max_model_len: longest prompt + output; default the model's maximum.
         max_num_seqs: most requests in one step.
         max_num_batched_tokens: token budget of one step.
@@ -42,6 +43,7 @@ class LLM:
         seed: int = 0,
         block_size: int = 16,
         kv_cache_memory_bytes: int | None = None,
+        num_gpu_blocks_override: int | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
@@ -57,7 +59,11 @@ class LLM:
                 seed=seed,
                 max_model_len=max_model_len,
             ),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes),
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                num_gpu_blocks_override=num_gpu_blocks_override,
+            ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,

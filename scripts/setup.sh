@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates .venv and installs pagedserve with its test dependencies.
+# torch goes first with an exact pin (the CPU wheel on our machines); the constraint file
+# keeps every later install from replacing it with a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+  $PIP install -q "torch==2.13.0"
+fi
+$PIP install -q -c scripts/constraints.txt -e ".[test]"

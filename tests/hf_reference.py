@@ -1,0 +1,54 @@
+"""Reference outputs from Hugging Face transformers (fp32) for the parity tests."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import torch
+
+ARCH_MODELS = ["llama-gqa", "llama-tied", "llama3-rope", "qwen2"]
+PROMPT_LENGTHS = [1, 5, 17, 33, 64, 100, 170, 300]
+NEW_TOKENS = 32
+
+
+def make_prompts(vocab_size: int, lengths: list[int] = PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
+    # Ids above the special tokens, so prompts are ordinary text-like token streams.
+    rng = random.Random(seed)
+    return [[rng.randrange(8, vocab_size) for _ in range(n)] for n in lengths]
+
+
+@functools.lru_cache(maxsize=8)
+def load_hf(path: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@torch.inference_mode()
+def hf_greedy(path: str, prompt: list[int], new_tokens: int = NEW_TOKENS, min_new_tokens: int = 0) -> list[int]:
+    """transformers' greedy generate for one prompt, without padding."""
+    model = load_hf(path)
+    input_ids = torch.tensor([prompt])
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=min_new_tokens,
+        do_sample=False,
+        pad_token_id=model.config.pad_token_id,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@torch.inference_mode()
+def hf_token_logprobs(path: str, prompt: list[int], output: list[int]) -> list[float]:
+    """log_softmax of transformers' logits at each generated token."""
+    model = load_hf(path)
+    ids = torch.tensor([prompt + output])
+    logits = model(ids).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(output))
+    return logprobs[positions, torch.tensor(output)].tolist()
