@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_reference import hf_greedy, load_hf, make_prompts
+
 from pagedserve import LLM, SamplingParams
 from pagedserve.sample.sampler import _apply_top_k_top_p
 
@@ -31,26 +31,45 @@ def test_seed_reproducible_whatever_the_batch(llm, prompts):
     assert again.outputs[0].token_ids != alone.outputs[0].token_ids
 
 
-def test_stop_string_split_across_tokens_is_found_and_excluded(llm, prompts):
-    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    (full,) = llm.generate([prompts[2]], base, use_tqdm=False)
+def _ascii_completion(llm):
+    """A prompt whose greedy 8-token completion is printable ASCII, and that completion's pieces."""
     tok = llm.get_tokenizer()
-    ids = full.outputs[0].token_ids
-    # A stop string made of the end of token 5's text and the start of token 6's.
-    prefix5 = tok.decode(ids[:5])
-    prefix6 = tok.decode(ids[:6])
-    text = full.outputs[0].text
-    assert text.startswith(prefix6)
-    stop = prefix5[-2:] + prefix6[len(prefix5) : len(prefix5) + 2]
-    assert len(stop) >= 3
+    for prompt in make_prompts(llm.llm_engine.vocab_size, [6] * 40, seed=11):
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        pieces = [tok.decode([i]) for i in out.outputs[0].token_ids]
+        if all(p.isascii() and p.isprintable() and p for p in pieces) and len(pieces[4]) >= 2:
+            return {"prompt_token_ids": prompt}, pieces, out.outputs[0].text
+    pytest.fail("no prompt with an ASCII completion; change the seed")
+
+
+def test_stop_string_split_across_tokens_is_found_and_excluded(llm):
+    prompt, pieces, text = _ascii_completion(llm)
+    assert text == "".join(pieces)
+    # A stop string made of the end of token 3's text and the start of token 4's.
+    stop = pieces[3][-1:] + pieces[4][:2]
     cut = text.find(stop)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
-    (out,) = llm.generate([prompts[2]], params, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop, "never-there"])
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
     assert out.outputs[0].text == text[:cut]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=stop, include_stop_str_in_output=True)
-    (out,) = llm.generate([prompts[2]], params, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=stop, include_stop_str_in_output=True)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
     assert out.outputs[0].text == text[: cut + len(stop)]
+
+
+def test_streamed_text_equals_decoded_text(llm, prompts):
+    """delta outputs concatenate to the final text, which equals decoding the token ids."""
+    engine = llm.llm_engine
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0.9, seed=5, max_tokens=40, ignore_eos=True, output_kind="delta")
+    rid = engine.add_request(None, prompts[3], params)
+    text, ids = "", []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text += out.outputs[0].text
+            ids += out.outputs[0].token_ids
+    assert len(ids) == 40 and rid == out.request_id
+    assert text == tok.decode(ids)
 
 
 def test_stop_token_ids_and_min_tokens(llm, prompts):

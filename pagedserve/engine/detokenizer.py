@@ -27,9 +27,18 @@ class IncrementalDetokenizer:
         self._token_ids: list[int] = []
         self._text_len = 0
         if self._rust is not None:
-            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-            for token_id in prompt_token_ids[-_PRIME_TOKENS:]:
-                self._stream.step(self._rust, token_id)
+            self._stream = self._primed_stream(prompt_token_ids[-_PRIME_TOKENS:])
+
+    def _primed_stream(self, prime_ids: list[int]) -> DecodeStream:
+        stream = DecodeStream(skip_special_tokens=self._skip_special)
+        chunk = None
+        for token_id in prime_ids:
+            chunk = stream.step(self._rust, token_id)
+        if prime_ids and chunk is None:
+            # The prompt ends inside a multi-byte character: priming would leak the
+            # prompt's dangling bytes into the output text, so start clean instead.
+            stream = DecodeStream(skip_special_tokens=self._skip_special)
+        return stream
 
     def add(self, token_id: int) -> str:
         """Feeds one token; returns the text it completes (possibly empty)."""

@@ -1,0 +1,254 @@
+"""Offline throughput: pagedserve vs transformers `generate`, side by side, plus a roofline.
+
+    python benchmarks/throughput.py                 # full run (~20 min on 2 cores)
+    python benchmarks/throughput.py --quick         # smoke run (tiny model, few requests)
+
+Each system runs in its own subprocess (same workload file) so peak RSS is its own.
+pagedserve runs --runs times (median reported); the slower transformers baselines once.
+Roofline time = matmul FLOPs / measured fp32 matmul peak + KV bytes attention must read /
+measured memory bandwidth; achieved / roofline is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_ours(model: str, workload: list[dict], args: argparse.Namespace) -> dict:
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(
+        model,
+        kv_cache_memory_bytes=args.kv_cache_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        max_model_len=2048,
+    )
+    llm.generate([{"prompt_token_ids": [11, 12, 13]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    prompts = [{"prompt_token_ids": r["prompt"]} for r in workload]
+    params = [SamplingParams(temperature=0, max_tokens=r["output_len"], ignore_eos=True) for r in workload]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    stats = llm.llm_engine.get_stats()
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        "prompt_tokens": sum(len(r["prompt"]) for r in workload),
+        "num_requests": len(workload),
+        "steps": stats.num_steps_total,
+        "preemptions": stats.scheduler.num_preemptions_total,
+        "peak_rss_mib": _peak_rss_mib(),
+    }
+
+
+def run_hf(model: str, workload: list[dict], batch_size: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    useful = 0
+    start = time.perf_counter()
+    for i in range(0, len(workload), batch_size):
+        batch = workload[i : i + batch_size]
+        width = max(len(r["prompt"]) for r in batch)
+        # Left padding, so every row's next token comes from the last column.
+        ids = torch.tensor([[pad] * (width - len(r["prompt"])) + r["prompt"] for r in batch])
+        mask = torch.tensor([[0] * (width - len(r["prompt"])) + [1] * len(r["prompt"]) for r in batch])
+        new = max(r["output_len"] for r in batch)
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
+        # A static batch runs until its longest request ends; only requested tokens count.
+        useful += sum(r["output_len"] for r in batch)
+    elapsed = time.perf_counter() - start
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": useful,
+        "prompt_tokens": sum(len(r["prompt"]) for r in workload),
+        "num_requests": len(workload),
+        "peak_rss_mib": _peak_rss_mib(),
+    }
+
+
+def measure_machine() -> dict:
+    """fp32 matmul peak (GFLOP/s) and memory read bandwidth (GB/s), best of a few tries."""
+    import torch
+
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    flops = 2 * n**3 / best
+    big = torch.ones(1 << 28)  # 1 GiB of fp32
+    big.sum()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - t)
+    return {"matmul_gflops": flops / 1e9, "read_bandwidth_gbs": big.numel() * 4 / best / 1e9}
+
+
+def roofline_seconds(model: str, workload: list[dict], machine: dict) -> dict:
+    """Lower bound on the run's time from compute and from KV reads (the issue's definition)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    linear_params = c.num_hidden_layers * per_layer
+    kv_bytes_per_token = 2 * c.num_hidden_layers * kv * 4
+    flops = kv_bytes = 0.0
+    for r in workload:
+        p, o = len(r["prompt"]), r["output_len"]
+        processed = p + o - 1  # every prompt token, and every output token but the last, goes through the model
+        flops += 2 * linear_params * processed + 2 * c.hidden_size * c.vocab_size * o
+        # Attention: QK^T and PV, 2 FLOPs per MAC each, for every query against its context.
+        contexts = processed * (processed + 1) / 2
+        flops += 4 * c.num_hidden_layers * q * contexts
+        # Prefill reads the prompt's KV once; each decode step reads the whole context.
+        kv_bytes += kv_bytes_per_token * (p + sum(range(p + 1, p + o)))
+    compute_s = flops / (machine["matmul_gflops"] * 1e9)
+    memory_s = kv_bytes / (machine["read_bandwidth_gbs"] * 1e9)
+    return {"flops": flops, "kv_bytes": kv_bytes, "compute_s": compute_s, "memory_s": memory_s, "roofline_s": compute_s + memory_s}
+
+
+def _worker(args: argparse.Namespace) -> None:
+    workload = json.loads(Path(args.workload).read_text())
+    if args.worker == "ours":
+        result = run_ours(args.model, workload, args)
+    elif args.worker == "machine":
+        result = measure_machine()
+    else:
+        kind, _, size = args.worker.partition(":")
+        result = run_hf(args.model, workload, int(size))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _spawn(worker: str, args: argparse.Namespace, workload_file: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", worker, "--workload", workload_file, "--model", args.model,
+           "--kv-cache-bytes", str(args.kv_cache_bytes), "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", str(args.block_size)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"worker {worker} failed:\n{proc.stderr[-4000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF folder (default: the bench-125m random Llama)")
+    parser.add_argument("--num-requests", type=int, default=100)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--hf-single", type=int, default=4, help="requests for transformers one-at-a-time")
+    parser.add_argument("--hf-static-requests", type=int, default=32)
+    parser.add_argument("--hf-batch-sizes", default="8,16,32")
+    parser.add_argument("--kv-cache-bytes", type=int, default=3 << 30)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="tiny model and workload (smoke test)")
+    parser.add_argument("--result-json", default=None)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--workload", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args)
+        return
+    from pagedserve.bench.workloads import synthetic
+    from pagedserve.demo_models import get_model_path
+
+    if args.quick:
+        args.model = args.model or str(get_model_path("llama-gqa"))
+        args.num_requests, args.runs, args.hf_single, args.hf_static_requests = 8, 1, 1, 4
+        args.hf_batch_sizes = "4"
+        args.kv_cache_bytes = 64 << 20
+    args.model = args.model or str(get_model_path("bench-125m"))
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    requests = synthetic("sharegpt", args.num_requests, vocab, seed=0)
+    workload = [{"prompt": r.prompt_token_ids, "output_len": r.output_len} for r in requests]
+    report = run_all(args, workload)
+    print_report(report)
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(report, indent=2))
+
+
+def run_all(args: argparse.Namespace, workload: list[dict]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        def write(name: str, items: list[dict]) -> str:
+            path = os.path.join(tmp, name)
+            Path(path).write_text(json.dumps(items))
+            return path
+
+        full = write("full.json", workload)
+        machine = _spawn("machine", args, full)
+        ours_runs = [_spawn("ours", args, full) for _ in range(args.runs)]
+        ours = sorted(ours_runs, key=lambda r: r["elapsed_s"])[len(ours_runs) // 2]
+        baselines = {}
+        if not args.skip_hf:
+            baselines["hf one-at-a-time"] = _spawn("hf:1", args, write("single.json", workload[: args.hf_single]))
+            static = write("static.json", workload[: args.hf_static_requests])
+            for size in args.hf_batch_sizes.split(","):
+                baselines[f"hf static batch {size}"] = _spawn(f"hf:{size}", args, static)
+    roof = roofline_seconds(args.model, workload, machine)
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "model": args.model,
+        "num_requests": len(workload),
+        "machine": machine,
+        "ours": ours,
+        "ours_all_elapsed_s": [r["elapsed_s"] for r in ours_runs],
+        "baselines": baselines,
+        "roofline": roof,
+    }
+
+
+def print_report(report: dict) -> None:
+    ours = report["ours"]
+    ours_tps = ours["output_tokens"] / ours["elapsed_s"]
+    rows = [("pagedserve (median)", ours)] + list(report["baselines"].items())
+    print(f"\nmachine: {report['machine']['matmul_gflops']:.1f} GFLOP/s fp32 matmul, "
+          f"{report['machine']['read_bandwidth_gbs']:.1f} GB/s read")
+    print("| system | requests | output tok/s | total tok/s | peak RSS MiB | pagedserve / this |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows:
+        tps = r["output_tokens"] / r["elapsed_s"]
+        total = (r["output_tokens"] + r["prompt_tokens"]) / r["elapsed_s"]
+        print(f"| {name} | {r['num_requests']} | {tps:.1f} | {total:.1f} | {r['peak_rss_mib']:.0f} | {ours_tps / tps:.2f}x |")
+    roof = report["roofline"]
+    print(f"\npagedserve runs (s): {', '.join(f'{t:.1f}' for t in report['ours_all_elapsed_s'])}; "
+          f"steps {ours['steps']}, preemptions {ours['preemptions']}")
+    print(f"roofline: compute {roof['compute_s']:.1f} s + KV reads {roof['memory_s']:.1f} s = {roof['roofline_s']:.1f} s; "
+          f"achieved / roofline = {roof['roofline_s'] / ours['elapsed_s']:.1%}")
+
+
+if __name__ == "__main__":
+    main()
