@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hf_reference import ARCH_MODELS, NEW_TOKENS, hf_greedy, hf_token_logprobs, make_prompts
 from pagedserve import LLM, SamplingParams
+
+from hf_reference import ARCH_MODELS, NEW_TOKENS, hf_greedy, hf_token_logprobs, make_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=0)
 

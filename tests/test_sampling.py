@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import hf_greedy, load_hf, make_prompts
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.sample.sampler import _apply_top_k_top_p
+
+from hf_reference import hf_greedy, load_hf, make_prompts
 
 
 @pytest.fixture(scope="module")

@@ -199,10 +199,12 @@ class LLMEngine:
     def _record_step(self, sched_out) -> None:
         self._steps_total += 1
         self._last_step_tokens = sched_out.num_batched_tokens
+        # A prompt counts once, when its request gets its first token (not again after a
+        # recompute preemption), as vLLM's prompt_tokens_total does.
         for item in sched_out.scheduled:
-            end = item.num_computed_tokens + item.num_new_tokens
-            prompt_part = max(0, min(end, item.request.num_prompt_tokens) - item.num_computed_tokens)
-            self._prompt_tokens_total += prompt_part
+            request = item.request
+            if item.sample and request.num_output_tokens == 1:
+                self._prompt_tokens_total += request.num_prompt_tokens
 
     def get_stats(self) -> EngineStats:
         return EngineStats(

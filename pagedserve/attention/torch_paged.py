@@ -1,0 +1,291 @@
+"""Pure-torch paged attention, tuned for CPU (also runs, unoptimised, on CUDA).
+
+Plan, built once per step in `build_metadata`:
+
+  * Requests are split into a decode group (query_len == 1) and a prefill group, so decode
+    queries are never padded to the longest prefill chunk.
+  * Each group is sorted by context length (longest first) and cut into *chunks*: runs of
+    requests whose padded K/V gather (num_seqs * max_ctx tokens) stays under a budget.
+    Sorting keeps padding small; the budget keeps one chunk's gathered K/V cache-resident
+    (a few MiB) between the gather and the attention that reads it. Measured on CPU, one
+    big padded gather is 3-5x slower than budgeted chunks (page faults on the huge
+    temporary, padding to the longest context, and a second trip to DRAM).
+  * A prefill chunk of >= `solo_prefill_tokens` new tokens runs alone, so big prefills are
+    never padded. Per layer the forward therefore loops over chunks (a handful: bounded by
+    total K/V tokens / budget), never over requests.
+
+Per chunk, per layer:
+
+    q  = query rows of the chunk                   (n * max_q, H, D)    gathered or a slice
+    K  = cache slots of positions 0..max_ctx-1     (n, KVH, max_ctx, D) gathered; or the new
+         tokens themselves when every request is a fresh prefill (no cached context)
+    o  = SDPA(q, K, V, bool mask | is_causal)      flash CPU kernel, GQA native
+    out[rows] = o                                   scatter back to the flat batch order
+
+Padding never reads unwritten cache memory: padded query rows repeat the request's last row
+and padded K/V positions repeat its last position (clamped), so uninitialised cache slots
+(possibly NaN, which would leak through 0 * NaN) are never touched; the mask hides them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
+from pagedserve.attention.metadata import CommonAttentionMetadata
+
+
+@dataclass(slots=True)
+class AttnChunk:
+    """Requests attended by one SDPA call, padded to a common (max_q, max_ctx)."""
+
+    num_seqs: int
+    max_q: int
+    max_ctx: int
+    # (start, end) when the chunk is one request: its rows are a contiguous, unpadded slice.
+    q_range: tuple[int, int] | None
+    # (num_seqs * max_q,) int64: flat-batch row of each padded query row (None with q_range).
+    q_rows: torch.Tensor | None
+    # (num_valid,) int64 rows of the padded output that are real, and their flat-batch rows;
+    # None when the chunk has no query padding (then q_rows are the destinations).
+    out_src: torch.Tensor | None
+    out_rows: torch.Tensor | None
+    # (num_seqs * max_ctx,) int64 flat cache slots of positions 0..max_ctx-1 (clamped).
+    # None when every request is a fresh prefill: K/V are then the new tokens at q_rows.
+    kv_slots: torch.Tensor | None
+    # (num_seqs, 1, max_q, max_ctx) bool, True = attend; None when not needed.
+    mask: torch.Tensor | None
+    is_causal: bool
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata(AttentionMetadata):
+    backend: TorchPagedAttentionBackend
+    num_tokens: int
+    # (num_tokens,) int64 flat slot of each new token.
+    slot_mapping: torch.Tensor
+    chunks: list[AttnChunk]
+
+
+class TorchPagedAttentionBackend(AttentionBackend):
+    """Gather-then-SDPA paged attention.
+
+    Args:
+        device: where index tensors live (the device of the model and KV cache).
+        kv_budget_tokens: max padded context tokens (num_seqs * max_ctx) gathered per chunk.
+        score_budget: max num_seqs * max_q * max_ctx per prefill chunk (bounds mask size).
+        solo_prefill_tokens: prefill chunks at least this long run as their own chunk.
+        fold_gqa_decode: run decode as SDPA over (n, KVH, group, D) queries (each K/V head
+            read once for its whole query group) instead of `enable_gqa`.
+        use_workspace: gather K/V into one reused buffer instead of fresh tensors.
+    """
+
+    name = "torch_paged"
+
+    def __init__(
+        self,
+        device: torch.device | None = None,
+        kv_budget_tokens: int = 4096,
+        score_budget: int = 1 << 22,
+        solo_prefill_tokens: int = 64,
+        fold_gqa_decode: bool = True,
+        use_workspace: bool = True,
+    ) -> None:
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.kv_budget_tokens = kv_budget_tokens
+        self.score_budget = score_budget
+        self.solo_prefill_tokens = solo_prefill_tokens
+        self.fold_gqa_decode = fold_gqa_decode
+        self.use_workspace = use_workspace
+        # Reused gather destination (2, capacity, KVH, D): big fresh allocations are page-faulted
+        # on every call on CPU, which costs more than the copy itself.
+        self._workspace: torch.Tensor | None = None
+
+    # ---- once per step ------------------------------------------------------------------
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        q_lens, s_lens = common.query_lens_list, common.seq_lens_list
+        q_starts = [0, *accumulate(q_lens)]
+        by_len = sorted(range(common.num_seqs), key=lambda i: -s_lens[i])
+        decodes = [i for i in by_len if q_lens[i] == 1]
+        prefills = [i for i in by_len if q_lens[i] > 1]
+        groups = self._group(decodes, q_lens, s_lens) + self._group(prefills, q_lens, s_lens)
+        chunks = [_build_chunk(common, g, q_starts, self.device) for g in groups]
+        return TorchAttentionMetadata(
+            backend=self,
+            num_tokens=common.num_tokens,
+            slot_mapping=common.slot_mapping.to(self.device, torch.int64),
+            chunks=chunks,
+        )
+
+    def _group(self, ids: list[int], q_lens: list[int], s_lens: list[int]) -> list[list[int]]:
+        """Cut `ids` (sorted by context length, longest first) into budgeted chunks."""
+        groups: list[list[int]] = []
+        cur: list[int] = []
+        cur_q = 0
+        for i in ids:
+            if q_lens[i] >= self.solo_prefill_tokens:
+                groups.append([i])
+                continue
+            # Sorted longest first, so the chunk's padded context is its first member's.
+            n, max_ctx, max_q = len(cur) + 1, s_lens[cur[0]] if cur else 0, max(cur_q, q_lens[i])
+            if cur and (
+                n * max_ctx > self.kv_budget_tokens or n * max_q * max_ctx > self.score_budget
+            ):
+                groups.append(cur)
+                cur, cur_q = [], 0
+            cur.append(i)
+            cur_q = max(cur_q, q_lens[i])
+        if cur:
+            groups.append(cur)
+        return groups
+
+    # ---- once per layer -----------------------------------------------------------------
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        assert isinstance(meta, TorchAttentionMetadata)
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        # (2, num_slots, KVH, D): flat slot = block_id * block_size + offset.
+        cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        cache[0].index_copy_(0, meta.slot_mapping, key)
+        cache[1].index_copy_(0, meta.slot_mapping, value)
+        chunks = meta.chunks
+        if len(chunks) == 1 and chunks[0].q_range == (0, meta.num_tokens):
+            return self._attend(chunks[0], query, key, value, cache, scale)
+        out = torch.empty_like(query)
+        for c in chunks:
+            o = self._attend(c, query, key, value, cache, scale)
+            if c.q_range is not None:
+                out[c.q_range[0] : c.q_range[1]] = o
+            elif c.out_src is None:
+                out.index_copy_(0, c.q_rows, o)
+            else:
+                out.index_copy_(0, c.out_rows, o.index_select(0, c.out_src))
+        return out
+
+    def _gather(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows at `slots`: two (len(slots), KVH, D) tensors."""
+        if not self.use_workspace:
+            return cache[0].index_select(0, slots), cache[1].index_select(0, slots)
+        n, shape = slots.shape[0], cache.shape[2:]
+        ws = self._workspace
+        if ws is None or ws.shape[2:] != shape or ws.dtype != cache.dtype or ws.device != cache.device:
+            ws = None
+        if ws is None or ws.shape[1] < n:
+            capacity = max(n, ws.shape[1] * 3 // 2) if ws is not None else n
+            ws = self._workspace = cache.new_empty((2, capacity, *shape))
+        k = torch.index_select(cache[0], 0, slots, out=ws[0, :n])
+        v = torch.index_select(cache[1], 0, slots, out=ws[1, :n])
+        return k, v
+
+    def _attend(
+        self,
+        c: AttnChunk,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """SDPA for one chunk; returns the padded output (n * max_q, H, D)."""
+        n, max_q, max_ctx = c.num_seqs, c.max_q, c.max_ctx
+        num_heads, head_dim, num_kv_heads = query.shape[1], query.shape[2], key.shape[1]
+        if c.q_range is not None:
+            s, e = c.q_range
+            q, k, v = query[s:e], key[s:e], value[s:e]
+        else:
+            q = query.index_select(0, c.q_rows)
+            k, v = key, value
+            if c.kv_slots is None:
+                k, v = key.index_select(0, c.q_rows), value.index_select(0, c.q_rows)
+        if c.kv_slots is not None:
+            k, v = self._gather(cache, c.kv_slots)
+        # (n, KVH, max_ctx, D) views over the (n * max_ctx, KVH, D) gather.
+        k = k.view(n, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
+        v = v.view(n, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
+        if max_q == 1 and self.fold_gqa_decode:
+            # Decode: head h uses KV head h // group, so (n, H, D) -> (n, KVH, group, D)
+            # makes the group the "query length" and each K/V head is read once.
+            q = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, scale=scale)
+            return o.reshape(n, num_heads, head_dim)
+        q = q.view(n, max_q, num_heads, head_dim).transpose(1, 2)  # (n, H, max_q, D)
+        o = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=c.mask,
+            is_causal=c.is_causal,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        return o.transpose(1, 2).reshape(n * max_q, num_heads, head_dim)
+
+
+def _build_chunk(
+    common: CommonAttentionMetadata, reqs: list[int], q_starts: list[int], device: torch.device
+) -> AttnChunk:
+    """Index tensors of one chunk (built on CPU from host lists, moved once)."""
+    ql = [common.query_lens_list[i] for i in reqs]
+    sl = [common.seq_lens_list[i] for i in reqs]
+    n, max_q, max_ctx = len(reqs), max(ql), max(sl)
+    fresh = all(
+        q == s for q, s in zip(ql, sl, strict=True)
+    )  # no cached context: K/V = the new tokens
+    uniform = all(s == max_ctx for s in sl) and all(q == max_q for q in ql)
+    q_range = (q_starts[reqs[0]], q_starts[reqs[0]] + ql[0]) if n == 1 else None
+
+    qlt, slt = torch.tensor(ql), torch.tensor(sl)
+    t = torch.arange(max_q)
+    # Query row t of request r is token min(t, ql-1): padding repeats the last real row.
+    t_clamped = torch.minimum(t[None], (qlt - 1)[:, None])  # (n, max_q)
+    q_rows = out_src = out_rows = kv_slots = mask = None
+    if q_range is None:
+        q_rows = (torch.tensor([q_starts[i] for i in reqs])[:, None] + t_clamped).flatten()
+        if any(q != max_q for q in ql):
+            out_src = (t[None] < qlt[:, None]).flatten().nonzero().squeeze(1)
+            out_rows = q_rows[out_src].to(device)
+            out_src = out_src.to(device)
+        q_rows = q_rows.to(device)
+    if not fresh:
+        kv_slots = _kv_slots(common, reqs, slt, max_ctx, device)
+    # Fresh prefills of equal length: plain causal (top-left == bottom-right alignment).
+    is_causal = fresh and uniform and max_q > 1
+    if not uniform or (max_q > 1 and not is_causal):
+        # Key j is visible to query row t iff j <= (sl - ql) + t: its cached context plus the
+        # new tokens up to itself. Padded rows/keys fall outside via the clamps.
+        last_visible = (slt - qlt)[:, None] + t_clamped  # (n, max_q)
+        mask = torch.arange(max_ctx)[None, None, :] <= last_visible[:, :, None]
+        mask = mask[:, None].to(device)  # (n, 1, max_q, max_ctx)
+    return AttnChunk(
+        n, max_q, max_ctx, q_range, q_rows, out_src, out_rows, kv_slots, mask, is_causal
+    )
+
+
+def _kv_slots(
+    common: CommonAttentionMetadata,
+    reqs: list[int],
+    seq_lens: torch.Tensor,
+    max_ctx: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """(n * max_ctx,) flat cache slots of positions 0..max_ctx-1, clamped to seq_len-1."""
+    pos = torch.minimum(torch.arange(max_ctx)[None], (seq_lens - 1)[:, None])  # (n, max_ctx)
+    bt_device = common.block_tables.device
+    tables = common.block_tables.index_select(0, torch.tensor(reqs, device=bt_device))
+    pos = pos.to(bt_device)
+    bs = common.block_size
+    slots = tables.gather(1, pos // bs) * bs + pos % bs
+    return slots.flatten().to(device, torch.int64)

@@ -1,0 +1,48 @@
+"""The paged `Attention` layer: owns one layer's KV cache handle, delegates to the backend.
+
+The model runner finds every `Attention` module, sorts them by `layer_idx`, reads
+`num_kv_heads` / `head_dim` to size the cache and assigns `attn.kv_cache`:
+
+    kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim), K at [0], V at [1]
+
+It is a plain attribute, not a buffer: it is not part of the state dict, and `model.to()`
+never copies it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.attention.backend import AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={num_heads} not divisible by num_key_value_heads={num_kv_heads}"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q (T, H, D), k/v (T, KVH, D), RoPE applied -> (T, H * D)."""
+        if self.kv_cache is None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: kv_cache was never assigned by the model runner"
+            )
+        out = meta.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

@@ -1,0 +1,37 @@
+"""Token embedding and the LM head (which may share the embedding's weight)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.models.layers.linear import default_weight_loader
+
+
+class VocabEmbedding(nn.Module):
+    """(vocab_size, hidden) table; left uninitialised, it always comes from a checkpoint."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        default_weight_loader(param, loaded_weight)
+
+
+class LMHead(VocabEmbedding):
+    """hidden -> vocab logits, always returned in float32 (sampling precision)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight).float()
+
+    def tie_to(self, embedding: VocabEmbedding) -> None:
+        """Share the embedding's weight (tie_word_embeddings): one tensor, loaded once."""
+        self.weight = embedding.weight

@@ -1,0 +1,192 @@
+"""Llama (2, 3, 3.1+) and Mistral, mirroring Hugging Face's module names.
+
+Checkpoint names load by name, except the fused projections, mapped by
+`stacked_params_mapping` (checkpoint part -> parameter part, shard):
+
+    model.layers.N.self_attn.{q,k,v}_proj  -> model.layers.N.self_attn.qkv_proj  ("q"/"k"/"v")
+    model.layers.N.mlp.{gate,up}_proj      -> model.layers.N.mlp.gate_up_proj    (0 / 1)
+
+Forward over the flat batch (no padding; see attention/metadata.py):
+
+    input_ids, positions: (num_tokens,) -> hidden (num_tokens, hidden_size), final norm applied
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.models.layers.activation import SiluAndMul
+from pagedserve.models.layers.attention import Attention
+from pagedserve.models.layers.embedding import LMHead, VocabEmbedding
+from pagedserve.models.layers.layernorm import RMSNorm
+from pagedserve.models.layers.linear import MergedLinear, QKVLinear, ReplicatedLinear
+from pagedserve.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config: PretrainedConfig) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = num_kv_heads_of(config)
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias
+        )
+        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, config.hidden_size, o_bias)
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(hidden)  # (T, (H + 2 KVH) * D), columns | q | k | v |
+        num_tokens = qkv.shape[0]
+        qk, v = qkv.split([(h + kvh) * d, kvh * d], dim=-1)
+        # q and k rotated in one pass over their (T, H + KVH, D) view.
+        qk = apply_rotary(qk.view(num_tokens, h + kvh, d), cos, sin)
+        q, k = qk.split([h, kvh], dim=1)
+        out = self.attn(q, k, v.view(num_tokens, kvh, d), meta)  # (T, H * D)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        # Output rows | gate | up |, shards 0 and 1.
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias)
+        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: PretrainedConfig, layer_idx: int, biases: tuple[bool, bool, bool]
+    ) -> None:
+        super().__init__()
+        qkv_bias, o_bias, mlp_bias = biases
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_bias)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # `residual` is the skip stream; each norm adds the previous sublayer's output into it.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, biases: tuple[bool, bool, bool]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, biases) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)  # once per step, shared by all layers
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # (checkpoint name part, parameter name part, shard id) for the fused projections.
+    stacked_params_mapping: ClassVar[list[tuple[str, str, object]]] = [
+        (".q_proj.", ".qkv_proj.", "q"),
+        (".k_proj.", ".qkv_proj.", "k"),
+        (".v_proj.", ".qkv_proj.", "v"),
+        (".gate_proj.", ".gate_up_proj.", 0),
+        (".up_proj.", ".gate_up_proj.", 1),
+    ]
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.check_config(config)
+        self.config = config
+        self.model = LlamaModel(config, self.biases(config))
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @classmethod
+    def biases(cls, config: PretrainedConfig) -> tuple[bool, bool, bool]:
+        """(qkv_proj bias, o_proj bias, MLP biases)."""
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return attention_bias, attention_bias, bool(getattr(config, "mlp_bias", False))
+
+    @classmethod
+    def check_config(cls, config: PretrainedConfig) -> None:
+        """Raise ValueError naming the first config option this implementation cannot honour."""
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act={act!r} for {cls.__name__} (only 'silu')")
+        rope_parameters(config)
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(
+                f"unsupported layer_types={sorted(set(layer_types))} (only full attention)"
+            )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (n, hidden_size) -> logits (n, vocab_size), float32."""
+        return self.lm_head(hidden)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral = Llama without biases; sliding-window attention is not implemented."""
+
+    @classmethod
+    def check_config(cls, config: PretrainedConfig) -> None:
+        super().check_config(config)
+        window = getattr(config, "sliding_window", None)
+        if window is not None and window < config.max_position_embeddings:
+            raise ValueError(
+                f"unsupported sliding_window={window} < max_position_embeddings="
+                f"{config.max_position_embeddings} for {cls.__name__}: sliding-window attention "
+                "is not implemented (set sliding_window to null to use full attention)"
+            )

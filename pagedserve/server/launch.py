@@ -1,0 +1,109 @@
+"""`pagedserve serve`: build the engine, print how to call it, run uvicorn, exit 0 on a signal."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from pagedserve.entrypoints.cli import engine_kwargs, resolve_model
+
+logger = logging.getLogger("pagedserve.server")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's contents if it names a file, else the template text itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise SystemExit(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def build_context(args: argparse.Namespace, model_path: str, default_name: str) -> Any:
+    """The ServerContext: engine (from the engine flags), metrics and the serving options."""
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+    from pagedserve.entrypoints.llm import LLM
+    from pagedserve.server.metrics import ServerMetrics
+    from pagedserve.server.serving_common import ServerContext
+
+    names = args.served_model_name or [default_name]
+    engine = LLM(**engine_kwargs(args, model_path)).llm_engine
+    metrics = ServerMetrics(names[0])
+    return ServerContext(
+        engine=AsyncLLMEngine(engine, metrics, stall_timeout_s=args.stall_timeout),
+        model_names=names,
+        model_path=model_path,
+        metrics=metrics,
+        api_key=args.api_key or None,
+        chat_template=load_chat_template(args.chat_template),
+        max_queue_len=args.max_queue_len,
+    )
+
+
+def usage_text(host: str, port: int, model: str, has_key: bool) -> str:
+    base = f"http://{host}:{port}"
+    auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if has_key else ""
+    key = 'os.environ["PAGEDSERVE_API_KEY"]' if has_key else '"EMPTY"'
+    return (
+        f"pagedserve: serving {model!r} on {base}\n"
+        f"  try:   curl {base}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"           -d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
+        f"  or:    openai.OpenAI(base_url=\"{base}/v1\", api_key={key})\n"
+        f"  also:  {base}/health  {base}/metrics  {base}/docs"
+    )
+
+
+def _keep_calm_on_signals() -> None:
+    # uvicorn handles SIGINT/SIGTERM itself (stop accepting, drain, lifespan shutdown), then
+    # re-raises the signal at the handler that was installed before it. A no-op handler
+    # there turns a graceful shutdown into exit status 0 rather than 130/143.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+
+
+def make_server(app: Any, engine: Any, host: str, port: int, log_level: str, grace_s: float) -> Any:
+    """A uvicorn server whose shutdown gives in-flight requests `grace_s`, then aborts them.
+
+    Aborting through the engine (rather than letting uvicorn cancel the handlers) ends each
+    stream properly: an error chunk and [DONE]; a waiting non-streamed call gets a 503.
+    """
+    import asyncio
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            abort_later = asyncio.get_running_loop().call_later(
+                grace_s, lambda: asyncio.ensure_future(engine.shutdown())
+            )
+            try:
+                await super().shutdown(sockets)
+            finally:
+                abort_later.cancel()
+
+    # uvicorn's own deadline is only the backstop behind ours.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_s + 5)
+    return GracefulServer(config)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from pagedserve.server.api_server import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model_path, default_name = resolve_model(args.model)
+    ctx = build_context(args, model_path, default_name)
+    app = build_app(ctx)
+    server = make_server(app, ctx.engine, args.host, args.port, args.log_level, args.shutdown_timeout)
+    print(usage_text(args.host, args.port, ctx.model_names[0], ctx.api_key is not None), file=sys.stderr, flush=True)
+    _keep_calm_on_signals()
+    server.run()
+    if not server.started:
+        return 3  # could not bind, or start-up failed (uvicorn's own exit code for this)
+    return 0

@@ -1,0 +1,178 @@
+"""What the completion and chat handlers share: checks, submission, fan-out, collection, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestGroup
+from pagedserve.engine.llm_engine import PromptInput
+from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.errors import APIError, bad_request
+from pagedserve.server.metrics import ServerMetrics
+
+SSE_DONE = "data: [DONE]\n\n"
+# How often a non-streaming handler checks that its client is still there.
+DISCONNECT_POLL_S = 0.2
+
+
+@dataclass
+class ServerContext:
+    """Everything a handler needs; one per app (app.state.ctx)."""
+
+    engine: AsyncLLMEngine
+    model_names: list[str]
+    model_path: str
+    metrics: ServerMetrics
+    api_key: str | None = None
+    chat_template: str | None = None
+    max_queue_len: int | None = None
+
+    def resolve_model(self, model: str | None) -> str:
+        """The served name to echo back; 404 for a model this server does not serve."""
+        if model is None:
+            return self.model_names[0]
+        if model not in self.model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        return model
+
+    @property
+    def tokenizer(self) -> Any:
+        if self.engine.tokenizer is None:
+            raise APIError(400, "this server has no tokenizer; send prompts as token ids", "prompt")
+        return self.engine.tokenizer
+
+
+class ClientDisconnected(APIError):
+    def __init__(self) -> None:
+        super().__init__(499, "client disconnected")
+
+
+def check_context_length(ctx: ServerContext, num_prompt_tokens: int, max_tokens: int | None, what: str) -> None:
+    """400 unless the prompt plus max_tokens fit the model's context (vLLM's wording)."""
+    limit = ctx.engine.max_model_len
+    requested = num_prompt_tokens + (max_tokens or 1)
+    if requested <= limit:
+        return
+    param = "max_tokens" if num_prompt_tokens < limit else what
+    raise APIError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, you requested {requested} "
+        f"tokens ({num_prompt_tokens} in the {what}, {max_tokens or 1} in the completion). "
+        f"Please reduce the length of the {what} or completion.",
+        param,
+        "context_length_exceeded",
+    )
+
+
+def make_params(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    try:
+        return body.sampling_params(max_tokens, logprobs)
+    except ValueError as exc:
+        raise bad_request(exc, set(type(body).model_fields)) from None
+
+
+def fan_out(params: SamplingParams, num_samples: int) -> list[SamplingParams]:
+    """Independent samples of one prompt; sample i gets seed + i so they differ reproducibly."""
+    if params.seed is None:
+        return [dataclasses.replace(params) for _ in range(num_samples)]
+    return [dataclasses.replace(params, seed=params.seed + i) for i in range(num_samples)]
+
+
+async def submit(
+    ctx: ServerContext, body: BaseModel, requests: list[tuple[PromptInput, SamplingParams]], arrival: float
+) -> RequestGroup:
+    """Adds the requests to the engine as one group; validation errors become 400s."""
+    engine = ctx.engine
+    if ctx.max_queue_len is not None and engine.num_waiting >= ctx.max_queue_len:
+        raise APIError(
+            503, f"The server is overloaded: {engine.num_waiting} requests are waiting "
+            f"(--max-queue-len {ctx.max_queue_len}). Retry later.", None, "overloaded",
+        )
+    try:
+        return await engine.add_requests(requests, arrival_time=arrival)
+    except ValueError as exc:
+        raise bad_request(exc, set(type(body).model_fields)) from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc)) from None
+
+
+@dataclass
+class ChoiceState:
+    """One engine request's output, accumulated from its delta outputs."""
+
+    prompt_token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        completion = output.outputs[0]
+        self.prompt_token_ids = output.prompt_token_ids
+        self.text.append(completion.text)
+        self.token_ids.extend(completion.token_ids)
+        self.logprobs.extend(completion.logprobs or ())
+        self.cumulative_logprob = completion.cumulative_logprob or 0.0
+        if output.finished:
+            self.finish_reason = completion.finish_reason
+            self.stop_reason = completion.stop_reason
+
+    @property
+    def full_text(self) -> str:
+        return "".join(self.text)
+
+
+async def collect(group: RequestGroup, raw_request: Request) -> list[ChoiceState]:
+    """Waits for every request of the group, aborting them all if the client goes away."""
+    states = [ChoiceState() for _ in group.request_ids]
+
+    async def consume() -> None:
+        async for index, output in group:
+            states[index].add(output)
+
+    task = asyncio.ensure_future(consume())
+    async with group:  # aborts the unfinished requests however we leave
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    task.result()
+                    return states
+                if await raw_request.is_disconnected():
+                    raise ClientDisconnected()
+        finally:
+            task.cancel()
+
+
+def sse(chunk: BaseModel | dict[str, Any]) -> str:
+    data = chunk.model_dump_json() if isinstance(chunk, BaseModel) else _dumps(chunk)
+    return f"data: {data}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """An error after the stream started: an error chunk (the [DONE] follows)."""
+    if isinstance(exc, APIError):
+        return sse(exc.body())
+    if isinstance(exc, EngineDeadError):
+        return sse(APIError(503, str(exc)).body())
+    return sse(APIError(500, f"internal error: {exc!r}").body())
+
+
+def _dumps(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def token_text(token_id: int, entry: dict[int, Logprob]) -> str:
+    logprob = entry.get(token_id)
+    decoded = logprob.decoded_token if logprob is not None else None
+    return decoded if decoded is not None else f"token_id:{token_id}"

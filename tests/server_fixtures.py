@@ -1,0 +1,74 @@
+"""A live server for tests: uvicorn in a background thread of the test process, on 127.0.0.1.
+
+In-process so tests can reach the engine (leak checks between steps) and tweak serving
+options (API key, queue limit) without restarting it.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+TEST_MODEL = "llama-gqa"
+SERVE_ARGS = ["--kv-cache-memory", "8MiB", "--log-level", "warning", "--stall-timeout", "30"]
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    ctx: object  # pagedserve.server.serving_common.ServerContext
+    model_path: str
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+    def wait_idle(self, timeout_s: float = 10.0) -> None:
+        """Until the engine has no request at all (what a leak check needs)."""
+        engine = self.ctx.engine
+        deadline = time.monotonic() + timeout_s
+        while engine.call_in_engine_thread(lambda e: e.has_unfinished_requests()):
+            assert time.monotonic() < deadline, "engine did not become idle"
+            time.sleep(0.02)
+
+
+def _bound_socket() -> socket.socket:
+    # Bind port 0 and hand the socket to uvicorn: no race for a "free" port.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@pytest.fixture(scope="module")
+def live_server() -> Iterator[LiveServer]:
+    import uvicorn
+
+    from pagedserve.entrypoints.cli import build_parser, resolve_model
+    from pagedserve.server.api_server import build_app
+    from pagedserve.server.launch import build_context
+
+    args = build_parser().parse_args(["serve", TEST_MODEL, *SERVE_ARGS])
+    model_path, name = resolve_model(args.model)
+    ctx = build_context(args, model_path, name)
+    sock = _bound_socket()
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(build_app(ctx), log_level="warning", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", ctx, model_path)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
