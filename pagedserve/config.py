@@ -47,6 +47,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     # Exact number of KV blocks, overriding the memory budget (tests, benchmarks).
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -135,6 +135,7 @@ class _ModelSpec:
     config: dict[str, Any]
     seed: int = 0
     init: _Init = _Init()
+    tokenizer_style: str = "gpt2"
     description: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -144,7 +145,7 @@ class _ModelSpec:
             "config": self.config,
             "seed": self.seed,
             "init": self.init.as_dict(),
-            "tokenizer": _tokenizer_spec(self.vocab_size),
+            "tokenizer": _tokenizer_spec(self.vocab_size, self.tokenizer_style),
             "format": _FORMAT_VERSION,
         }
 
@@ -212,7 +213,11 @@ _SPECS: dict[str, _ModelSpec] = {
             "use_sliding_window": False,
         },
         seed=4,
-        description="tiny Qwen2 (QKV bias), GQA",
+        # transformers v5's AutoTokenizer always builds Qwen2Tokenizer for model_type qwen2,
+        # which imposes Qwen2's pre-tokenizer and NFC normaliser; training with the same
+        # pipeline keeps AutoTokenizer and the saved tokenizer.json in agreement.
+        tokenizer_style="qwen2",
+        description="tiny Qwen2 (QKV bias), GQA, Qwen2-style tokenizer",
     ),
     "demo": _ModelSpec(
         "llama",
@@ -282,17 +287,26 @@ def get_model_path(
 
 
 def get_tokenizer_path(
-    vocab_size: int, cache_dir: str | os.PathLike[str] | None = None
+    vocab_size: int,
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    style: str = "gpt2",
 ) -> pathlib.Path:
     """Return a folder with a byte-level BPE tokenizer of exactly ``vocab_size`` tokens.
 
-    Loadable with ``AutoTokenizer.from_pretrained``; trained locally, cached like models.
+    ``style`` picks the pre-tokenization: ``"gpt2"`` (GPT-2 regex, no normaliser: every
+    string round-trips exactly) or ``"qwen2"`` (Qwen2's regex and NFC normalisation, which
+    is what ``Qwen2Tokenizer`` rebuilds on load).  Loadable with
+    ``PreTrainedTokenizerFast.from_pretrained``; trained locally, cached like models.
     """
+    if style not in _TOKENIZER_STYLES:
+        raise ValueError(f"unknown tokenizer style {style!r}; choose from {_TOKENIZER_STYLES}")
     if vocab_size < len(SPECIAL_TOKENS) + 256:
         raise ValueError(f"vocab_size must be >= {len(SPECIAL_TOKENS) + 256} (specials + bytes)")
     root = _resolve_cache_dir(cache_dir)
-    target = root / "tokenizers" / f"bpe{vocab_size}-{_hash(_tokenizer_spec(vocab_size))}"
-    return _build_once(target, lambda tmp: _build_tokenizer(vocab_size, tmp))
+    spec = _tokenizer_spec(vocab_size, style)
+    target = root / "tokenizers" / f"bpe{vocab_size}-{style}-{_hash(spec)}"
+    return _build_once(target, lambda tmp: _build_tokenizer(spec, tmp))
 
 
 # --------------------------------------------------------------------------- caching
@@ -366,11 +380,20 @@ _FUNCTION_WORDS = (
 ).split()
 
 
-def _tokenizer_spec(vocab_size: int) -> dict[str, Any]:
+_TOKENIZER_STYLES = ("gpt2", "qwen2")
+# Qwen2's pre-tokenization regex (transformers.models.qwen2.tokenization_qwen2).
+_QWEN2_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _tokenizer_spec(vocab_size: int, style: str = "gpt2") -> dict[str, Any]:
     # The corpus grows with the vocabulary so BPE finds enough distinct merges to reach
     # vocab_size exactly (the lexicon bounds how many multi-byte tokens can exist).
     return {
         "vocab_size": vocab_size,
+        "style": style,
         "corpus_words": 20_000 + 8 * vocab_size,
         "lexicon": max(1_000, vocab_size),
         "seed": 1234,
@@ -429,15 +452,26 @@ def _make_corpus(n_words: int, lexicon_size: int, seed: int) -> Iterator[str]:
         yield "".join(parts)
 
 
-def _build_tokenizer(vocab_size: int, out_dir: pathlib.Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _build_tokenizer(spec: dict[str, Any], out_dir: pathlib.Path) -> None:
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    spec = _tokenizer_spec(vocab_size)
+    vocab_size = spec["vocab_size"]
     tok = Tokenizer(models.BPE(unk_token=UNK))
-    # Byte-level pre-tokenizer + decoder: every string is encodable and decode() inverts
-    # encode() exactly, and every single id decodes (partial UTF-8 becomes U+FFFD).
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Byte-level pre-tokenizer + decoder: every string is encodable, decode() inverts
+    # encode(), and every single id decodes (partial UTF-8 becomes U+FFFD).
+    if spec["style"] == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(
+                    Regex(_QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False
+                ),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -472,11 +506,14 @@ def _build_tokenizer(vocab_size: int, out_dir: pathlib.Path) -> None:
     hf_tok.save_pretrained(str(out_dir), save_jinja_files=False)
 
     # transformers v5 records tokenizer_class "TokenizersBackend", which v4 does not know;
-    # "PreTrainedTokenizerFast" loads in both.  v5 also no longer writes
-    # special_tokens_map.json, which some loaders still read.
+    # "PreTrainedTokenizerFast" loads in both (and Qwen2Tokenizer is what real Qwen2
+    # checkpoints declare).  v5 also no longer writes special_tokens_map.json, which some
+    # loaders still read.
     cfg_path = out_dir / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text())
-    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_cfg["tokenizer_class"] = (
+        "Qwen2Tokenizer" if spec["style"] == "qwen2" else "PreTrainedTokenizerFast"
+    )
     cfg_path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
     special_map = {
         "bos_token": BOS,
@@ -569,7 +606,7 @@ def _build_model(spec: _ModelSpec, out_dir: pathlib.Path, cache_root: pathlib.Pa
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    tok_dir = get_tokenizer_path(spec.vocab_size, cache_root)
+    tok_dir = get_tokenizer_path(spec.vocab_size, cache_root, style=spec.tokenizer_style)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
     if len(tokenizer) != spec.vocab_size:
         raise RuntimeError(f"tokenizer at {tok_dir} has {len(tokenizer)} tokens")

@@ -57,8 +57,12 @@ class Request:
     prompt: str | None = None
     # Output budget: max_tokens, capped so that prompt + output fits max_model_len.
     max_output_tokens: int = 16
-    # Which LoRA adapter to use (0 = base model); part of the prefix-cache key later.
+    # Which LoRA adapter to use (0 = base model); part of the prefix-cache key.
     lora_id: int = 0
+    # Requests share cached KV blocks only with requests of the same salt.
+    cache_salt: str | None = None
+    # Prompt tokens whose KV came from the prefix cache at (last) admission.
+    num_cached_tokens: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -9,11 +9,33 @@ Block table of a sequence with 35 tokens computed, block_size 16:
 A block shared by several sequences (after a fork) is copied before one of them writes
 into it (copy-on-write); the copy is reported to the model runner as (src, dst) pairs,
 which it must apply before the step's forward pass.
+
+Prefix caching: each full block is named by SHA-256 over (parent block's hash, its token
+ids), chained from a root that holds the request's extra keys (LoRA adapter id and
+cache salt), so equal hashes mean equal full prefixes under the same adapter and salt.
+SHA-256 rather than Python's hash(): stable across processes and collision resistant, so
+one tenant cannot craft a prompt that aliases another tenant's cached KV.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+
 from pagedserve.core.block_pool import BlockPool
+from pagedserve.request import Request
+
+_HASH_VERSION = b"pagedserve-kv-v1"
+
+
+def root_hash(lora_id: int, cache_salt: str | None) -> bytes:
+    """The chain's seed: requests share cached blocks only with the same adapter and salt."""
+    key = _HASH_VERSION + lora_id.to_bytes(8, "little", signed=True) + (cache_salt or "").encode()
+    return hashlib.sha256(key).digest()
+
+
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -23,11 +45,15 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Owns every sequence's block table; asks the block pool for blocks and references."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        # Per sequence: hashes of its full blocks so far, and how many are published.
+        self._hashes: dict[str, list[bytes]] = {}
+        self._num_published: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -46,15 +72,29 @@ class KVCacheManager:
         needed = max(0, cdiv(num_computed_tokens + num_new_tokens, self.block_size) - len(table))
         return needed + int(self._needs_copy_on_write(table, num_computed_tokens, num_new_tokens))
 
-    def allocate_slots(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> bool:
+    def allocate_slots(
+        self, seq_id: str, num_computed_tokens: int, num_new_tokens: int, cached_blocks: list[int] | None = None
+    ) -> bool:
         """Makes room for `num_new_tokens` K/V entries after `num_computed_tokens`.
 
+        Args:
+            cached_blocks: prefix-cache hits (from `find_cached_prefix`) for a sequence with
+                no blocks yet; they hold its first `num_computed_tokens` tokens.
         Returns:
             False, changing nothing, if the pool has too few free blocks; True otherwise.
         """
-        if self.blocks_needed(seq_id, num_computed_tokens, num_new_tokens) > self.pool.num_free_blocks:
+        cached_blocks = cached_blocks or []
+        needed = self.blocks_needed(seq_id, num_computed_tokens, num_new_tokens) - len(cached_blocks)
+        # Hits on evictable blocks take them out of the free queue too.
+        available = self.pool.num_free_blocks - sum(self.pool.is_evictable(b) for b in cached_blocks)
+        if needed > available:
             return False
         table = self.block_tables.setdefault(seq_id, [])
+        if cached_blocks:
+            assert not table and num_computed_tokens == len(cached_blocks) * self.block_size
+            self.pool.share(cached_blocks)
+            table.extend(cached_blocks)
+            self._num_published[seq_id] = len(cached_blocks)
         if self._needs_copy_on_write(table, num_computed_tokens, num_new_tokens):
             index = num_computed_tokens // self.block_size
             shared = table[index]
@@ -80,12 +120,62 @@ class KVCacheManager:
         table = list(self.block_tables.get(parent_id, []))
         self.pool.share(table)
         self.block_tables[child_id] = table
+        self._num_published[child_id] = self._num_published.get(parent_id, 0)
 
     def free(self, seq_id: str) -> None:
         """Releases every block of the sequence, last block first."""
         table = self.block_tables.pop(seq_id, None)
+        self._hashes.pop(seq_id, None)
+        self._num_published.pop(seq_id, None)
         if table:
             self.pool.release(reversed(table))
+
+    # ---- prefix cache --------------------------------------------------------------------
+
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """Hashes of the request's full blocks (prompt and outputs), extended as it grows."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        num_full = request.num_tokens // bs
+        parent = hashes[-1] if hashes else root_hash(request.lora_id, request.cache_salt)
+        for index in range(len(hashes), num_full):
+            parent = hash_block(parent, request.token_ids_slice(index * bs, (index + 1) * bs))
+            hashes.append(parent)
+        return hashes
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks holding the longest cached prefix of the request, in order.
+
+        Stops one token short of the whole request: its last token must be computed
+        again to give the logits for the next one.
+        """
+        if not self.enable_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in self.block_hashes(request)[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publishes the request's blocks that are now full and computed."""
+        if not self.enable_caching:
+            return
+        seq_id = request.request_id
+        table = self.block_tables.get(seq_id)
+        if not table:
+            return
+        start = self._num_published.get(seq_id, 0)
+        end = min(request.num_computed_tokens // self.block_size, len(table))
+        if end <= start:
+            return
+        hashes = self.block_hashes(request)
+        for index in range(start, end):
+            self.pool.cache(table[index], hashes[index])
+        self._num_published[seq_id] = end
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) block pairs accumulated since the last call."""

@@ -39,6 +39,8 @@ class SchedulerStats:
     kv_blocks_used: int
     kv_blocks_total: int
     kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
 
 
 class Scheduler:
@@ -50,6 +52,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        # Prefix cache, in tokens: looked up at admission / found cached.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self._finished_ids: list[str] = []
 
     # ---- request lifecycle -------------------------------------------------------------
@@ -125,12 +130,18 @@ class Scheduler:
         limits = self.limits
         while self.waiting and budget > 0 and len(self.running) < limits.max_num_seqs:
             request = self.waiting[0]
-            num_new = request.num_tokens - request.num_computed_tokens
+            # A waiting request holds no blocks: everything it reuses comes from the cache.
+            cached_blocks = self.kv.find_cached_prefix(request)
+            num_cached = len(cached_blocks) * self.kv.block_size
+            num_new = request.num_tokens - num_cached
             if num_new > budget and not limits.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
+            if not self.kv.allocate_slots(request.request_id, num_cached, num_new, cached_blocks):
                 break
+            request.num_computed_tokens = request.num_cached_tokens = num_cached
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_time)
@@ -168,6 +179,7 @@ class Scheduler:
             if request.status.finished:
                 continue  # aborted between schedule() and now.
             request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(request)
             if token_id is None:
                 continue
             request.append_output_token(token_id)
@@ -186,4 +198,6 @@ class Scheduler:
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_total=pool.num_blocks,
             kv_usage=pool.usage,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
         )

@@ -52,7 +52,9 @@ class LLMEngine:
         self.max_model_len = _resolve_max_model_len(hf_config, model_cfg.max_model_len)
         self.num_blocks = self._size_kv_cache()
         self.runner.initialize_kv_cache(self.num_blocks)
-        self.kv_manager = KVCacheManager(self.num_blocks, config.cache.block_size)
+        self.kv_manager = KVCacheManager(
+            self.num_blocks, config.cache.block_size, enable_caching=config.cache.enable_prefix_caching
+        )
         sched = config.scheduler
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -109,6 +111,9 @@ class LLMEngine:
         """Validates and queues a request; raises ValueError naming the bad field."""
         params = params or SamplingParams()
         prompt_text, token_ids = self._tokenize(prompt)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
         params.validate_vocab(self.vocab_size)
         self._validate_prompt(token_ids, params)
         request_id = request_id if request_id is not None else self.new_request_id()
@@ -118,6 +123,7 @@ class LLMEngine:
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             prompt=prompt_text,
+            cache_salt=cache_salt,
             max_output_tokens=min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids)),
         )
         if arrival_time is not None:

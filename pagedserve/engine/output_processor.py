@@ -131,6 +131,7 @@ class OutputProcessor:
             outputs=[completion],
             finished=finished,
             metrics=state.metrics,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def finish(self, request_id: str, now: float) -> None:

@@ -54,9 +54,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="split long prompts over several steps")
-    group.add_argument("--no-enable-prefix-caching", action="store_true",
-                       help="accepted for vLLM compatibility; prefix caching is not implemented yet, "
-                            "so it is always off")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse cached KV blocks of shared prompt prefixes (on by default)")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda")
 
 
@@ -87,6 +86,7 @@ def engine_kwargs(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_chunked_prefill": args.enable_chunked_prefill,
+        "enable_prefix_caching": args.enable_prefix_caching,
         "device": args.device,
     }
 

@@ -31,6 +31,7 @@ class LLM:
         max_num_seqs: most requests in one step.
         max_num_batched_tokens: token budget of one step.
         enable_chunked_prefill: split long prompts over several steps.
+        enable_prefix_caching: reuse the KV blocks of prompt prefixes seen before.
         device: "auto", "cpu" or "cuda".
     """
 
@@ -48,6 +49,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
         device: str = "auto",
     ) -> None:
         config = EngineConfig(
@@ -63,6 +65,7 @@ class LLM:
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 num_gpu_blocks_override=num_gpu_blocks_override,
+                enable_prefix_caching=enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -47,7 +47,6 @@ class ServerMetrics(EngineObserver):
         self.preemptions = counter("vllm:num_preemptions", "Preemptions (recompute).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
-        # Prefix caching lands in a later issue; the counters exist so dashboards do not break.
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Tokens found in the prefix cache.")
         self.request_success = counter(
@@ -61,6 +60,8 @@ class ServerMetrics(EngineObserver):
                        self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.e2e):
             metric.labels(**self._label)  # expose zero-valued series from the start
         self._preemptions_seen = 0
+        self._queries_seen = 0
+        self._hits_seen = 0
 
     # ---- EngineObserver (engine thread) ----------------------------------------------------
 
@@ -86,6 +87,13 @@ class ServerMetrics(EngineObserver):
         if new > 0:
             self.preemptions.labels(**self._label).inc(new)
             self._preemptions_seen = sched.num_preemptions_total
+        for counter, total, attr in (
+            (self.prefix_queries, sched.prefix_cache_queries, "_queries_seen"),
+            (self.prefix_hits, sched.prefix_cache_hits, "_hits_seen"),
+        ):
+            if total > getattr(self, attr):
+                counter.labels(**self._label).inc(total - getattr(self, attr))
+                setattr(self, attr, total)
 
     # ---- event loop ------------------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 
 Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)` so the loader
 never needs to know a layer's internals; quantized or LoRA-wrapped layers slot in by
-providing their own loader. Fused layers expose `output_sizes` (one entry per shard, in
-order along the output dim) and `shard_ids`, so per-projection LoRA can find each slice:
+providing their own loader. Every layer exposes `output_sizes` (one entry per logical
+projection, in order along the output dim; a single entry unless fused), and fused layers
+`shard_ids` and `shard_slice(shard_id)`, so per-projection LoRA can find each slice:
 
     QKVLinear.weight     (q_size + 2 * kv_size, in)    rows: | q | k | v |
     MergedLinear.weight  (sum(output_sizes), in)        rows: | gate | up |  (shards 0, 1)
@@ -34,6 +35,8 @@ class LinearBase(nn.Module):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
+        # Output rows per logical projection, in order (one entry unless fused).
+        self.output_sizes = [output_size]
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
