@@ -123,6 +123,9 @@ class _Init:
     # locks greedy decoding into repeating one token or bouncing between two.
     norm_jitter: float = 0.5
     random_sign_final_norm: bool = True
+    # Output rows of <unk>/<s>/<pad> are shrunk so greedy decoding (practically) never
+    # emits them, as with a trained model; </s> and the chat markers keep normal rows.
+    quiet_special_rows: float = 0.1
 
     def as_dict(self) -> dict[str, float]:
         return dict(vars(self))
@@ -587,6 +590,8 @@ def _init_weights(model: Any, init: _Init) -> None:
         if init.random_sign_final_norm:
             norm_w.mul_(torch.randint(0, 2, norm_w.shape).mul_(2).sub_(1).to(norm_w.dtype))
         norm_w.mul_(init.logit_std / (ir * hidden**0.5 * norm_w.pow(2).mean().sqrt()))
+        quiet_ids = [SPECIAL_TOKENS.index(t) for t in (UNK, BOS, PAD)]
+        model.get_output_embeddings().weight[quiet_ids] *= init.quiet_special_rows
 
 
 @contextlib.contextmanager

@@ -379,7 +379,11 @@ class _FakeEngine:
         from pagedserve.core.scheduler import SchedulerStats
         from pagedserve.engine.llm_engine import EngineStats
 
-        return EngineStats(SchedulerStats(len(self.requests), 0, 0, 0, 8, 0.0), 0, 0, 0, 0)
+        sched = SchedulerStats(
+            num_running=len(self.requests), num_waiting=0, num_preemptions_total=0, kv_blocks_used=0,
+            kv_blocks_total=8, kv_usage=0.0, prefix_cache_queries=0, prefix_cache_hits=0,
+        )
+        return EngineStats(sched, 0, 0, 0, 0)
 
     def add_request(self, request_id, prompt, params, arrival_time=None) -> str:
         if prompt == "bad":
