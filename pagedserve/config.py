@@ -48,6 +48,9 @@ class CacheConfig:
     # Exact number of KV blocks, overriding the memory budget (tests, benchmarks).
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # "paged" (the product) or a contiguous-allocation baseline for the benchmarks:
+    # "contiguous-max", "contiguous-pow2", "contiguous-oracle" (see core/factory.py).
+    kv_allocation: str = "paged"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -63,6 +66,10 @@ class SchedulerConfig:
     # mostly add decode latency when a long prompt arrives.
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # "continuous" (the product), or the "static" / "dynamic" baselines for the benchmarks.
+    batching: str = "continuous"
+    # dynamic batching: launch a partial batch once its oldest request waited this long.
+    batch_window_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -177,7 +177,8 @@ _SPECS: dict[str, _ModelSpec] = {
         "llama",
         _SMALL_VOCAB,
         {**_SMALL_LLAMA, "tie_word_embeddings": True},
-        seed=2,
+        # Seed 2 happened to make </s> a greedy attractor (28% of prompts stopped early).
+        seed=22,
         description="tiny Llama, GQA, lm_head tied to the input embeddings",
     ),
     "llama3-rope": _ModelSpec(

@@ -73,13 +73,20 @@ class KVCacheManager:
         return needed + int(self._needs_copy_on_write(table, num_computed_tokens, num_new_tokens))
 
     def allocate_slots(
-        self, seq_id: str, num_computed_tokens: int, num_new_tokens: int, cached_blocks: list[int] | None = None
+        self,
+        seq_id: str,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        cached_blocks: list[int] | None = None,
+        request: Request | None = None,
     ) -> bool:
         """Makes room for `num_new_tokens` K/V entries after `num_computed_tokens`.
 
         Args:
             cached_blocks: prefix-cache hits (from `find_cached_prefix`) for a sequence with
                 no blocks yet; they hold its first `num_computed_tokens` tokens.
+            request: the request itself; paging needs only the counts, but the contiguous
+                baselines size their reservation from its prompt and output budget.
         Returns:
             False, changing nothing, if the pool has too few free blocks; True otherwise.
         """

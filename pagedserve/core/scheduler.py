@@ -110,7 +110,7 @@ class Scheduler:
         return budget
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
+        while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new, request=request):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
@@ -137,7 +137,7 @@ class Scheduler:
             if num_new > budget and not limits.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request.request_id, num_cached, num_new, cached_blocks):
+            if not self.kv.allocate_slots(request.request_id, num_cached, num_new, cached_blocks, request=request):
                 break
             request.num_computed_tokens = request.num_cached_tokens = num_cached
             self.prefix_cache_queries += request.num_tokens

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.scheduler import Scheduler, SchedulerLimits, SchedulerStats
+from pagedserve.core.factory import build_kv_manager, build_scheduler
+from pagedserve.core.scheduler import SchedulerStats
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.outputs import RequestOutput
@@ -52,19 +52,14 @@ class LLMEngine:
         self.max_model_len = _resolve_max_model_len(hf_config, model_cfg.max_model_len)
         self.num_blocks = self._size_kv_cache()
         self.runner.initialize_kv_cache(self.num_blocks)
-        self.kv_manager = KVCacheManager(
-            self.num_blocks, config.cache.block_size, enable_caching=config.cache.enable_prefix_caching
-        )
+        self.kv_manager = build_kv_manager(config.cache, self.num_blocks, self.max_model_len)
         sched = config.scheduler
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when chunked prefill is disabled"
             )
-        self.scheduler = Scheduler(
-            SchedulerLimits(sched.max_num_seqs, sched.max_num_batched_tokens, sched.enable_chunked_prefill),
-            self.kv_manager,
-        )
+        self.scheduler = build_scheduler(sched, self.kv_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_request_id = 0
         self._prompt_tokens_total = 0

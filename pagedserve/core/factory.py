@@ -1,0 +1,35 @@
+"""Builds the KV cache manager and scheduler that the config names.
+
+The paged manager and continuous batching are the product; the other kinds are the
+baselines the benchmark suite compares against on the same runner and memory.
+"""
+
+from __future__ import annotations
+
+from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.scheduler import Scheduler, SchedulerLimits
+
+KV_ALLOCATIONS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
+BATCHING_POLICIES = ("continuous", "static", "dynamic")
+
+
+def build_kv_manager(cache: CacheConfig, num_blocks: int, max_model_len: int) -> KVCacheManager:
+    if cache.kv_allocation == "paged":
+        return KVCacheManager(num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching)
+    if cache.kv_allocation in KV_ALLOCATIONS:
+        from pagedserve.core.contiguous import ContiguousKVCacheManager
+
+        return ContiguousKVCacheManager(num_blocks, cache.block_size, cache.kv_allocation, max_model_len)
+    raise ValueError(f"kv_allocation must be one of {', '.join(KV_ALLOCATIONS)}; got {cache.kv_allocation!r}")
+
+
+def build_scheduler(config: SchedulerConfig, kv: KVCacheManager) -> Scheduler:
+    limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+    if config.batching == "continuous":
+        return Scheduler(limits, kv)
+    if config.batching in BATCHING_POLICIES:
+        from pagedserve.core.batching import build_batch_scheduler
+
+        return build_batch_scheduler(config.batching, limits, kv, config.batch_window_s)
+    raise ValueError(f"batching must be one of {', '.join(BATCHING_POLICIES)}; got {config.batching!r}")
