@@ -63,6 +63,9 @@ class Request:
     cache_salt: str | None = None
     # Prompt tokens whose KV came from the prefix cache at (last) admission.
     num_cached_tokens: int = 0
+    # For one sample of an n/best_of request: its group's id and its index in the group.
+    group_id: str | None = None
+    sample_index: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

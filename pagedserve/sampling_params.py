@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 _GREEDY_EPS = 1e-5
 
@@ -54,15 +54,16 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1", self.n)
-        if self.n > 1 or (self.best_of is not None and self.best_of > 1):
-            raise ValueError(
-                "n > 1 and best_of > 1 (parallel sampling) are not supported yet; "
-                "use n=1 and send the request several times with different seeds."
-            )
-        if self.best_of is not None and self.best_of < self.n:
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
             raise bad("best_of", f"an integer >= n ({self.n})", self.best_of)
         if not 0.0 <= self.temperature:
             raise bad("temperature", ">= 0", self.temperature)
+        if self.num_samples > 1 and self.greedy:
+            # Every greedy sample would be the same sequence.
+            raise ValueError(
+                f"n and best_of must be 1 with greedy sampling (temperature=0), got n={self.n}, "
+                f"best_of={self.best_of}; set temperature > 0 or use beam search."
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]", self.top_p)
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -97,6 +98,23 @@ class SamplingParams:
                     raise bad("logit_bias", "a map of token id to a bias in [-100, 100]", self.logit_bias)
         if self.output_kind not in ("cumulative", "delta"):
             raise bad("output_kind", "'cumulative' or 'delta'", self.output_kind)
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the request: best_of if given, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """Parameters of sample `index` of an n/best_of request: one sequence, seed + index.
+
+        With best_of > n the samples are ranked by cumulative logprob, so each sample
+        computes logprobs (at least the chosen token's) even if none were asked for.
+        """
+        logprobs = self.logprobs
+        if logprobs is None and self.num_samples > self.n:
+            logprobs = 0
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, best_of=None, seed=seed, logprobs=logprobs)
 
     @property
     def greedy(self) -> bool:

@@ -20,6 +20,9 @@ class ScheduledRequest:
     num_new_tokens: int
     block_table: list[int]
     sample: bool
+    # Sibling samples (n/best_of) that draw their first token from this request's logits
+    # row this step, then fork its blocks. Empty except on a group's first sampling step.
+    fork_requests: list[Request] = field(default_factory=list)
 
 
 @dataclass(slots=True)

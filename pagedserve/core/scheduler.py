@@ -4,6 +4,12 @@ Each step hands out one token budget (max_num_batched_tokens):
   1. running requests first, oldest first: a decode costs 1 token, an unfinished
      prefill takes the next chunk that fits the budget;
   2. then waiting requests, FCFS, while the budget, max_num_seqs and KV blocks allow.
+Parallel samples (n/best_of) share their prompt: only the first sample is scheduled;
+when it samples its first token, the runner draws each sibling's first token from the
+same logits row and the siblings fork its blocks (reference counts, no copy; the shared
+partial block is copied on the first write). Until then the siblings wait in
+`pending_forks`, counted against max_num_seqs.
+
 When a running request cannot get a block, the most recently arrived running request
 is preempted (recompute: its blocks are freed and it goes back to the head of the
 waiting queue, to prefill prompt + outputs again). No waiting request is admitted in a
@@ -51,6 +57,8 @@ class Scheduler:
         # Kept sorted by arrival time, so the preemption victim is always the last one.
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # First sample's id -> its siblings waiting to fork its blocks.
+        self.pending_forks: dict[str, list[Request]] = {}
         self.num_preemptions_total = 0
         # Prefix cache, in tokens: looked up at admission / found cached.
         self.prefix_cache_queries = 0
@@ -59,10 +67,16 @@ class Scheduler:
 
     # ---- request lifecycle -------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
+    def add_request(self, request: Request, siblings: list[Request] | None = None) -> None:
+        """Queues a request; `siblings` are the other samples of its group, forked later."""
+        group = [request, *(siblings or [])]
+        for member in group:
+            if member.request_id in self.requests:
+                raise ValueError(f"request_id {member.request_id!r} is already in use")
+        for member in group:
+            self.requests[member.request_id] = member
+        if siblings:
+            self.pending_forks[request.request_id] = list(siblings)
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
@@ -73,15 +87,29 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif request in self.waiting:
                 self.waiting.remove(request)
+            else:
+                self._drop_pending_fork(request)
             request.status = status
             self._retire(request)
+
+    def _drop_pending_fork(self, request: Request) -> None:
+        for parent_id, siblings in self.pending_forks.items():
+            if request in siblings:
+                siblings.remove(request)
+                if not siblings:
+                    del self.pending_forks[parent_id]
+                return
 
     def _retire(self, request: Request) -> None:
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
+        # Siblings that never forked cannot start without this request's prompt.
+        for sibling in self.pending_forks.pop(request.request_id, []):
+            sibling.status = request.status
+            self._retire(sibling)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -128,8 +156,16 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         limits = self.limits
-        while self.waiting and budget > 0 and len(self.running) < limits.max_num_seqs:
+        # Sequences that hold or will soon hold a slot: running ones and their unforked siblings.
+        num_seqs = len(self.running) + sum(
+            len(siblings) for parent_id, siblings in self.pending_forks.items()
+            if self.requests[parent_id].status == RequestStatus.RUNNING
+        )
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            group_size = 1 + len(self.pending_forks.get(request.request_id, ()))
+            if num_seqs + group_size > limits.max_num_seqs and num_seqs > 0:
+                break
             # A waiting request holds no blocks: everything it reuses comes from the cache.
             cached_blocks = self.kv.find_cached_prefix(request)
             num_cached = len(cached_blocks) * self.kv.block_size
@@ -144,37 +180,43 @@ class Scheduler:
             self.prefix_cache_hits += num_cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=lambda r: r.arrival_time)
+            bisect.insort(self.running, request, key=lambda r: (r.arrival_time, r.sample_index))
             self._add_scheduled(out, request, num_new)
             budget -= num_new
+            num_seqs += group_size
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
+        sample = start + num_new == request.num_tokens
         out.scheduled.append(
             ScheduledRequest(
                 request=request,
                 num_computed_tokens=start,
                 num_new_tokens=num_new,
                 block_table=self.kv.get_block_table(request.request_id),
-                sample=start + num_new == request.num_tokens,
+                sample=sample,
+                fork_requests=list(self.pending_forks.get(request.request_id, ())) if sample else [],
             )
         )
         out.num_batched_tokens += num_new
 
     # ---- results -----------------------------------------------------------------------
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
-        """Advances counters, appends sampled tokens, retires requests that finished.
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: list[int | None], fork_tokens: list[list[int]] | None = None
+    ) -> list[Request]:
+        """Advances counters, appends sampled tokens, forks siblings, retires finished requests.
 
         Args:
             out: the step's schedule.
             sampled: one entry per scheduled request: the new token id, or None if it
                 did not sample this step (a prefill chunk that is not the last).
+            fork_tokens: per scheduled request, the first tokens of its `fork_requests`.
         Returns:
             The requests that received a token this step (finished ones included).
         """
-        updated = []
-        for item, token_id in zip(out.scheduled, sampled, strict=True):
+        updated: list[Request] = []
+        for index, (item, token_id) in enumerate(zip(out.scheduled, sampled, strict=True)):
             request = item.request
             if request.status.finished:
                 continue  # aborted between schedule() and now.
@@ -182,12 +224,32 @@ class Scheduler:
             self.kv.cache_full_blocks(request)
             if token_id is None:
                 continue
-            request.append_output_token(token_id)
-            updated.append(request)
-            if request.check_stop():
-                self.running.remove(request)
-                self._retire(request)
+            if item.fork_requests and fork_tokens is not None:
+                self._fork_siblings(request, item.fork_requests, fork_tokens[index], updated)
+            self._append_token(request, token_id, updated)
         return updated
+
+    def _append_token(self, request: Request, token_id: int, updated: list[Request]) -> None:
+        request.append_output_token(token_id)
+        updated.append(request)
+        if request.check_stop():
+            self.running.remove(request)
+            self._retire(request)
+
+    def _fork_siblings(
+        self, parent: Request, siblings: list[Request], tokens: list[int], updated: list[Request]
+    ) -> None:
+        pending = self.pending_forks.pop(parent.request_id, [])
+        for sibling, token_id in zip(siblings, tokens, strict=True):
+            if sibling not in pending:
+                continue  # aborted since the schedule was made
+            # The prompt's K/V (all of it computed now) is shared, not copied.
+            self.kv.fork(parent.request_id, sibling.request_id)
+            sibling.num_computed_tokens = parent.num_computed_tokens
+            sibling.num_cached_tokens = parent.num_cached_tokens
+            sibling.status = RequestStatus.RUNNING
+            bisect.insort(self.running, sibling, key=lambda r: (r.arrival_time, r.sample_index))
+            self._append_token(sibling, token_id, updated)
 
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool

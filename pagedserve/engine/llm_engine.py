@@ -13,6 +13,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.factory import build_kv_manager, build_scheduler
 from pagedserve.core.scheduler import SchedulerStats
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.outputs import RequestOutput
 from pagedserve.request import Request, RequestStatus
@@ -61,6 +62,7 @@ class LLMEngine:
             )
         self.scheduler = build_scheduler(sched, self.kv_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._groups: dict[str, SampleGroup] = {}
         self._next_request_id = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -112,19 +114,31 @@ class LLMEngine:
         params.validate_vocab(self.vocab_size)
         self._validate_prompt(token_ids, params)
         request_id = request_id if request_id is not None else self.new_request_id()
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            eos_token_id=self.eos_token_id,
-            prompt=prompt_text,
-            cache_salt=cache_salt,
-            max_output_tokens=min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids)),
-        )
-        if arrival_time is not None:
-            request.arrival_time = arrival_time
-        self.scheduler.add_request(request)
-        self.output_processor.add_request(request)
+        if request_id in self._groups or request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.num_samples > 1 and params.output_kind == "delta" and params.num_samples > params.n:
+            raise ValueError("best_of > n cannot be streamed: the best samples are known only at the end")
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        max_output = min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids))
+
+        def make(rid: str, sample_params: SamplingParams, index: int, group: str | None) -> Request:
+            return Request(
+                request_id=rid, prompt_token_ids=token_ids, sampling_params=sample_params,
+                eos_token_id=self.eos_token_id, prompt=prompt_text, cache_salt=cache_salt,
+                max_output_tokens=max_output, arrival_time=arrival, group_id=group, sample_index=index,
+            )
+
+        if params.num_samples == 1:
+            samples = [make(request_id, params, 0, None)]
+        else:
+            samples = [
+                make(sample_request_id(request_id, i), params.for_sample(i), i, request_id)
+                for i in range(params.num_samples)
+            ]
+            self._groups[request_id] = SampleGroup(request_id, params, [r.request_id for r in samples])
+        self.scheduler.add_request(samples[0], samples[1:])
+        for sample in samples:
+            self.output_processor.add_request(sample)
         return request_id
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -155,7 +169,10 @@ class LLMEngine:
             )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = []
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self._groups.pop(request_id, None)
+            ids.extend(group.sample_ids if group is not None else [request_id])
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         now = time.monotonic()
         for request_id in ids:
@@ -176,13 +193,11 @@ class LLMEngine:
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = now
         runner_out = self.runner.execute_model(sched_out)
-        updated = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
+        updated = self.scheduler.update_from_output(
+            sched_out, runner_out.sampled_token_ids, runner_out.fork_token_ids
+        )
         self._record_step(sched_out)
-        logprobs_by_id = {
-            item.request.request_id: lp
-            for item, lp in zip(sched_out.scheduled, runner_out.logprobs, strict=True)
-            if lp is not None
-        }
+        logprobs_by_id = _logprobs_by_request(sched_out, runner_out)
         now = time.monotonic()
         outputs = []
         for request in updated:
@@ -191,11 +206,24 @@ class LLMEngine:
                 # A stop string ends the request now; its blocks return to the pool this step.
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
             finished = request.status.finished
-            outputs.append(self.output_processor.make_output(request, finished))
+            output = self.output_processor.make_output(request, finished)
             if finished:
                 self.output_processor.finish(request.request_id, now)
+            if request.group_id is not None:
+                output = self._group_output(request, output)
+            if output is not None:
+                outputs.append(output)
         self._generation_tokens_total += len(updated)
         return outputs
+
+    def _group_output(self, request: Request, output: RequestOutput) -> RequestOutput | None:
+        group = self._groups.get(request.group_id)
+        if group is None:
+            return None
+        merged = group.add(output, request.sample_index)
+        if group.finished:
+            del self._groups[group.group_id]
+        return merged
 
     def _record_step(self, sched_out) -> None:
         self._steps_total += 1
@@ -223,6 +251,17 @@ class LLMEngine:
         """Leak check: engine idle, every block free, every reference count zero."""
         assert not self.has_unfinished_requests(), "engine still has unfinished requests"
         self.kv_manager.assert_all_free()
+
+
+def _logprobs_by_request(sched_out, runner_out) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for index, item in enumerate(sched_out.scheduled):
+        if runner_out.logprobs[index] is not None:
+            found[item.request.request_id] = runner_out.logprobs[index]
+        for sibling, lp in zip(item.fork_requests, runner_out.fork_logprobs[index], strict=False):
+            if lp is not None:
+                found[sibling.request_id] = lp
+    return found
 
 
 def _eos_token_id(hf_config: Any, tokenizer: Any) -> int | None:

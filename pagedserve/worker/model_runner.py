@@ -11,7 +11,7 @@ It is the only place that builds tensors for a step. Per step:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,12 +27,18 @@ from pagedserve.worker.kv_cache import KVCacheSpec, allocate_kv_caches
 logger = logging.getLogger(__name__)
 
 
+TokenLogprobs = tuple[list[int], list[float], list[int]]
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     # One entry per scheduled request, in schedule order: the sampled token, or None.
     sampled_token_ids: list[int | None]
     # Per scheduled request: (token ids, logprobs, ranks) with the chosen token first, or None.
-    logprobs: list[tuple[list[int], list[float], list[int]] | None]
+    logprobs: list[TokenLogprobs | None]
+    # Per scheduled request: first tokens (and logprobs) of its `fork_requests`, in order.
+    fork_token_ids: list[list[int]] = field(default_factory=list)
+    fork_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -77,13 +83,13 @@ class ModelRunner:
         input_ids, positions, common, logits_indices = self._prepare_inputs(sched)
         attn_metadata = self.backend.build_metadata(common)
         hidden = self.model(input_ids, positions, attn_metadata)
-        sampling_rows = [item for item in sched.scheduled if item.sample]
-        if not sampling_rows:
-            return ModelRunnerOutput([None] * len(sched.scheduled), [None] * len(sched.scheduled))
+        # One logits row per sampling request, then one per sibling it forks (same row).
+        row_requests = [r for item in sched.scheduled if item.sample for r in (item.request, *item.fork_requests)]
+        if not row_requests:
+            nothing = [None] * len(sched.scheduled)
+            return ModelRunnerOutput(nothing, list(nothing), [[] for _ in nothing], [[] for _ in nothing])
         logits = self.model.compute_logits(hidden[logits_indices])
-        meta = build_sampling_metadata(
-            [item.request for item in sampling_rows], self.generators, self.vocab_size, self.device
-        )
+        meta = build_sampling_metadata(row_requests, self.generators, self.vocab_size, self.device)
         sampled = self.sampler(logits, meta)
         return self._to_output(sched, sampled)
 
@@ -102,7 +108,7 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             if item.sample:
-                logits_indices.append(len(token_ids) - 1)
+                logits_indices.extend([len(token_ids) - 1] * (1 + len(item.fork_requests)))
         max_blocks = max(len(item.block_table) for item in sched.scheduled)
         block_tables = torch.tensor(
             [item.block_table + [0] * (max_blocks - len(item.block_table)) for item in sched.scheduled],
@@ -145,19 +151,26 @@ class ModelRunner:
         lp = None
         if sampled.logprobs is not None:
             lp = (sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist(), sampled.ranks.tolist())
-        tokens_out: list[int | None] = []
-        logprobs_out: list[tuple[list[int], list[float], list[int]] | None] = []
+
+        def row_logprobs(row: int, request) -> TokenLogprobs | None:
+            want = request.sampling_params.logprobs
+            if lp is None or want is None:
+                return None
+            return lp[0][row][: want + 1], lp[1][row][: want + 1], lp[2][row][: want + 1]
+
+        out = ModelRunnerOutput([], [], [], [])
         row = 0
         for item in sched.scheduled:
             if not item.sample:
-                tokens_out.append(None)
-                logprobs_out.append(None)
+                out.sampled_token_ids.append(None)
+                out.logprobs.append(None)
+                out.fork_token_ids.append([])
+                out.fork_logprobs.append([])
                 continue
-            tokens_out.append(token_ids[row])
-            want = item.request.sampling_params.logprobs
-            if lp is not None and want is not None:
-                logprobs_out.append((lp[0][row][: want + 1], lp[1][row][: want + 1], lp[2][row][: want + 1]))
-            else:
-                logprobs_out.append(None)
-            row += 1
-        return ModelRunnerOutput(tokens_out, logprobs_out)
+            out.sampled_token_ids.append(token_ids[row])
+            out.logprobs.append(row_logprobs(row, item.request))
+            siblings = range(row + 1, row + 1 + len(item.fork_requests))
+            out.fork_token_ids.append([token_ids[r] for r in siblings])
+            out.fork_logprobs.append([row_logprobs(r, s) for r, s in zip(siblings, item.fork_requests, strict=True)])
+            row += 1 + len(item.fork_requests)
+        return out
