@@ -48,6 +48,8 @@ class CacheConfig:
     # Exact number of KV blocks, overriding the memory budget (tests, benchmarks).
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # Host memory for swapped-out KV blocks (preemption by swap).
+    swap_space_bytes: int = 1 << 30
     # "paged" (the product) or a contiguous-allocation baseline for the benchmarks:
     # "contiguous-max", "contiguous-pow2", "contiguous-oracle" (see core/factory.py).
     kv_allocation: str = "paged"
@@ -70,6 +72,8 @@ class SchedulerConfig:
     batching: str = "continuous"
     # dynamic batching: launch a partial batch once its oldest request waited this long.
     batch_window_s: float = 0.05
+    # How to preempt under memory pressure: "recompute", "swap", or "auto" (cost model).
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

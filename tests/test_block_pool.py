@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.request import Request
+from pagedserve.sampling_params import SamplingParams
 
 
 def test_allocate_hands_out_lowest_ids_first_and_reuses_freed_in_order():
@@ -102,45 +104,87 @@ def test_fork_at_block_boundary_needs_no_copy():
 
 @st.composite
 def _operations(draw):
+    kinds = ["alloc", "append", "fork", "free", "hit", "swap_out", "swap_in"]
     return draw(
         st.lists(
-            st.tuples(
-                st.sampled_from(["alloc", "append", "fork", "free"]),
-                st.integers(0, 5),
-                st.integers(0, 5),
-                st.integers(1, 20),
-            ),
+            st.tuples(st.sampled_from(kinds), st.integers(0, 5), st.integers(0, 5), st.integers(1, 20)),
             max_size=60,
         )
     )
 
 
+class _Model:
+    """The reference: each sequence is just its token list; block tables must cover it."""
+
+    def __init__(self, block_size: int) -> None:
+        self.kv = KVCacheManager(num_blocks=24, block_size=block_size, enable_caching=True, num_swap_blocks=10)
+        self.tokens: dict[str, list[int]] = {}
+        self.swapped: set[str] = set()
+
+    def request(self, seq: str) -> Request:
+        r = Request(seq, self.tokens[seq], SamplingParams(), eos_token_id=None)
+        r.num_computed_tokens = len(self.tokens[seq])
+        return r
+
+    def grow(self, seq: str, n: int, token: int) -> None:
+        kv = self.kv
+        start = len(self.tokens.get(seq, []))
+        before, needed = kv.num_free_blocks, kv.blocks_needed(seq, start, n)
+        if kv.allocate_slots(seq, start, n):
+            self.tokens[seq] = self.tokens.get(seq, []) + [token] * n
+            kv.cache_full_blocks(self.request(seq))
+        else:
+            assert needed > before and kv.num_free_blocks == before
+
+    def hit(self, seq: str, source: str) -> None:
+        # A new sequence whose tokens repeat `source`: it must find source's published blocks.
+        tokens = list(self.tokens[source])
+        self.tokens[seq] = tokens
+        req = self.request(seq)
+        req.num_computed_tokens = 0
+        hits = self.kv.find_cached_prefix(req)
+        n_hit = len(hits) * self.kv.block_size
+        if self.kv.allocate_slots(seq, n_hit, len(tokens) - n_hit, hits):
+            self.kv.cache_full_blocks(self.request(seq))
+        else:
+            del self.tokens[seq]
+
+    def free(self, seq: str) -> None:
+        self.kv.free(seq)
+        self.kv.free_swapped(seq)
+        self.tokens.pop(seq, None)
+        self.swapped.discard(seq)
+
+
 @settings(max_examples=200, deadline=None)
 @given(ops=_operations(), block_size=st.sampled_from([1, 2, 4, 16]))
 def test_random_operations_keep_refcounts_exact(ops, block_size):
-    kv = KVCacheManager(num_blocks=24, block_size=block_size)
-    lengths: dict[str, int] = {}
+    m = _Model(block_size)
+    kv = m.kv
     for op, a, b, n in ops:
         sa, sb = f"s{a}", f"s{b}"
-        if op in ("alloc", "append"):
-            start = lengths.get(sa, 0)
-            before = kv.num_free_blocks
-            needed = kv.blocks_needed(sa, start, n)
-            if kv.allocate_slots(sa, start, n):
-                lengths[sa] = start + n
-                assert kv.num_free_blocks == before - needed
-            else:
-                assert needed > before and kv.num_free_blocks == before
-        elif op == "fork" and sa in lengths and sb not in lengths:
+        live = sa in m.tokens and sa not in m.swapped
+        if op in ("alloc", "append") and (sa not in m.tokens or live):
+            m.grow(sa, n, token=a * 100 + b)
+        elif op == "fork" and live and sb not in m.tokens:
             kv.fork(sa, sb)
-            lengths[sb] = lengths[sa]
+            m.tokens[sb] = list(m.tokens[sa])
+        elif op == "hit" and live and sb not in m.tokens and m.tokens[sa]:
+            m.hit(sb, sa)
         elif op == "free":
-            kv.free(sa)
-            lengths.pop(sa, None)
+            m.free(sa)
+        elif op == "swap_out" and live and kv.can_swap_out(sa):
+            pairs = kv.swap_out(sa)
+            assert len(pairs) == len({d for d, _ in pairs}) and sa in kv.swapped_tables
+            m.swapped.add(sa)
+        elif op == "swap_in" and sa in m.swapped and kv.can_swap_in(sa):
+            kv.swap_in(sa)
+            m.swapped.discard(sa)
         kv.take_pending_copies()
         kv.check_integrity()
-        for seq, length in lengths.items():
-            assert len(kv.get_block_table(seq)) * block_size >= length
-    for seq in list(lengths):
-        kv.free(seq)
+        for seq, tokens in m.tokens.items():
+            table = kv.swapped_tables[seq] if seq in m.swapped else kv.get_block_table(seq)
+            assert len(table) * block_size >= len(tokens)
+    for seq in list(m.tokens):
+        m.free(seq)
     kv.assert_all_free()

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.scheduler import Scheduler, SchedulerLimits
+from pagedserve.core.scheduler import PreemptionPolicy, Scheduler, SchedulerLimits
 
 KV_ALLOCATIONS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 BATCHING_POLICIES = ("continuous", "static", "dynamic")
 
 
-def build_kv_manager(cache: CacheConfig, num_blocks: int, max_model_len: int) -> KVCacheManager:
+def build_kv_manager(
+    cache: CacheConfig, num_blocks: int, max_model_len: int, num_swap_blocks: int = 0
+) -> KVCacheManager:
     if cache.kv_allocation == "paged":
-        return KVCacheManager(num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching)
+        return KVCacheManager(
+            num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching, num_swap_blocks=num_swap_blocks
+        )
     if cache.kv_allocation in KV_ALLOCATIONS:
         from pagedserve.core.contiguous import ContiguousKVCacheManager
 
@@ -24,10 +28,12 @@ def build_kv_manager(cache: CacheConfig, num_blocks: int, max_model_len: int) ->
     raise ValueError(f"kv_allocation must be one of {', '.join(KV_ALLOCATIONS)}; got {cache.kv_allocation!r}")
 
 
-def build_scheduler(config: SchedulerConfig, kv: KVCacheManager) -> Scheduler:
+def build_scheduler(
+    config: SchedulerConfig, kv: KVCacheManager, preemption: PreemptionPolicy | None = None
+) -> Scheduler:
     limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
     if config.batching == "continuous":
-        return Scheduler(limits, kv)
+        return Scheduler(limits, kv, preemption)
     if config.batching in BATCHING_POLICIES:
         from pagedserve.core.batching import build_batch_scheduler
 

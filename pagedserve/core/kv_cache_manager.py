@@ -45,10 +45,15 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Owns every sequence's block table; asks the block pool for blocks and references."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = False, num_swap_blocks: int = 0
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
+        # Host-memory blocks for swapped-out sequences; the same pool logic owns their counts.
+        self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks > 0 else None
+        self.swapped_tables: dict[str, list[int]] = {}
         self.block_tables: dict[str, list[int]] = {}
         self._pending_copies: list[tuple[int, int]] = []
         # Per sequence: hashes of its full blocks so far, and how many are published.
@@ -137,6 +142,44 @@ class KVCacheManager:
         if table:
             self.pool.release(reversed(table))
 
+    # ---- swap ----------------------------------------------------------------------------
+
+    def can_swap_out(self, seq_id: str) -> bool:
+        table = self.block_tables.get(seq_id, [])
+        return self.swap_pool is not None and 0 < len(table) <= self.swap_pool.num_free_blocks
+
+    def swap_out(self, seq_id: str) -> list[tuple[int, int]]:
+        """Moves the sequence's blocks to host blocks; returns (device, host) pairs to copy.
+
+        The device blocks are released at once: the copy runs before this step's forward
+        pass, so another sequence may reuse them in the same step.
+        """
+        assert self.swap_pool is not None
+        table = self.block_tables.pop(seq_id)
+        host = self.swap_pool.allocate(len(table))
+        self.swapped_tables[seq_id] = host
+        self._num_published.pop(seq_id, None)
+        self.pool.release(reversed(table))
+        return list(zip(table, host, strict=True))
+
+    def can_swap_in(self, seq_id: str) -> bool:
+        return len(self.swapped_tables[seq_id]) <= self.pool.num_free_blocks
+
+    def swap_in(self, seq_id: str) -> list[tuple[int, int]]:
+        """Brings a swapped sequence back to fresh device blocks; returns (host, device) pairs."""
+        assert self.swap_pool is not None
+        host = self.swapped_tables.pop(seq_id)
+        device = self.pool.allocate(len(host))
+        self.block_tables[seq_id] = device
+        self.swap_pool.release(host)
+        return list(zip(host, device, strict=True))
+
+    def free_swapped(self, seq_id: str) -> None:
+        host = self.swapped_tables.pop(seq_id, None)
+        self._hashes.pop(seq_id, None)
+        if host and self.swap_pool is not None:
+            self.swap_pool.release(host)
+
     # ---- prefix cache --------------------------------------------------------------------
 
     def block_hashes(self, request: Request) -> list[bytes]:
@@ -190,15 +233,22 @@ class KVCacheManager:
         return copies
 
     def check_integrity(self) -> None:
-        """Pool invariants, plus: each block's ref count equals the number of tables holding it."""
-        self.pool.check_integrity()
-        holders = [0] * self.pool.num_blocks
-        for table in self.block_tables.values():
-            for block_id in table:
-                holders[block_id] += 1
-        assert holders == self.pool.ref_cnt, "reference counts differ from the block tables"
+        """Pool invariants, plus: each block's ref count equals the number of tables holding it
+        (device and host pools alike)."""
+        for pool, tables in ((self.pool, self.block_tables), (self.swap_pool, self.swapped_tables)):
+            if pool is None:
+                continue
+            pool.check_integrity()
+            holders = [0] * pool.num_blocks
+            for table in tables.values():
+                for block_id in table:
+                    holders[block_id] += 1
+            assert holders == pool.ref_cnt, "reference counts differ from the block tables"
 
     def assert_all_free(self) -> None:
         """The leak check: no block table left and every reference count zero."""
         assert not self.block_tables, f"sequences still hold blocks: {list(self.block_tables)[:10]}"
+        assert not self.swapped_tables, f"sequences still hold swap blocks: {list(self.swapped_tables)[:10]}"
         self.pool.assert_all_free()
+        if self.swap_pool is not None:
+            self.swap_pool.assert_all_free()

@@ -29,7 +29,10 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
-    # Copy-on-write (src_block, dst_block) pairs to apply before the forward pass.
+    # Block copies to apply before the forward pass, in this order: swap-out
+    # (device, host) pairs, swap-in (host, device) pairs, copy-on-write (src, dst) pairs.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Requests preempted this step (their blocks are already free).
     preempted_ids: list[str] = field(default_factory=list)

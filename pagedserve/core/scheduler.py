@@ -11,9 +11,15 @@ partial block is copied on the first write). Until then the siblings wait in
 `pending_forks`, counted against max_num_seqs.
 
 When a running request cannot get a block, the most recently arrived running request
-is preempted (recompute: its blocks are freed and it goes back to the head of the
-waiting queue, to prefill prompt + outputs again). No waiting request is admitted in a
-step that preempted, so preempted requests are never overtaken.
+is preempted, by one of two means (`PreemptionPolicy`):
+  recompute  its blocks are freed and it returns to the head of the waiting queue, to
+             prefill prompt + outputs again;
+  swap       its blocks are copied to the host swap pool and freed; it waits in `swapped`
+             and is copied back when blocks free up, before any waiting request is admitted.
+"auto" swaps when copying is cheaper than recomputing (and always for a request with
+siblings, whose shared state recompute would lose), falling back to recompute when the
+swap pool is full. No request is admitted in a step that preempted, so preempted requests
+are never overtaken.
 
 The scheduler counts tokens and block ids; it never touches tensors.
 """
@@ -37,6 +43,19 @@ class SchedulerLimits:
     enable_chunked_prefill: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class PreemptionPolicy:
+    mode: str = "recompute"  # "recompute" | "swap" | "auto"
+    # The cost model behind "auto", in seconds: recomputing one token's K/V, and copying
+    # one block to the host and back.
+    recompute_s_per_token: float = 1e-3
+    swap_s_per_block: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.mode!r}")
+
+
 @dataclass(slots=True)
 class SchedulerStats:
     num_running: int
@@ -47,13 +66,23 @@ class SchedulerStats:
     kv_usage: float
     prefix_cache_queries: int
     prefix_cache_hits: int
+    num_swapped: int = 0
+    num_swapped_out_blocks_total: int = 0
+    num_swapped_in_blocks_total: int = 0
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, kv_manager: KVCacheManager) -> None:
+    def __init__(
+        self, limits: SchedulerLimits, kv_manager: KVCacheManager, preemption: PreemptionPolicy | None = None
+    ) -> None:
         self.limits = limits
         self.kv = kv_manager
+        self.preemption = preemption or PreemptionPolicy()
         self.waiting: deque[Request] = deque()
+        # Swapped-out requests, oldest arrival first.
+        self.swapped: list[Request] = []
+        self.num_swapped_out_blocks_total = 0
+        self.num_swapped_in_blocks_total = 0
         # Kept sorted by arrival time, so the preemption victim is always the last one.
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -87,6 +116,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.SWAPPED:
+                self.swapped.remove(request)
             elif request in self.waiting:
                 self.waiting.remove(request)
             else:
@@ -104,6 +135,7 @@ class Scheduler:
 
     def _retire(self, request: Request) -> None:
         self.kv.free(request.request_id)
+        self.kv.free_swapped(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
         # Siblings that never forked cannot start without this request's prompt.
@@ -120,7 +152,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
         if not out.preempted_ids:
-            self._schedule_waiting(out, budget)
+            budget = self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
         out.blocks_to_copy = self.kv.take_pending_copies()
         out.finished_ids, self._finished_ids = self._finished_ids, []
         return out
@@ -140,27 +174,68 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new, request=request):
             victim = self.running.pop()
-            self._preempt(victim)
+            self._preempt(victim, out)
             out.preempted_ids.append(victim.request_id)
             if victim is request:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        if self._should_swap(request):
+            pairs = self.kv.swap_out(request.request_id)
+            out.blocks_to_swap_out.extend(pairs)
+            self.num_swapped_out_blocks_total += len(pairs)
+            request.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, request, key=lambda r: (r.arrival_time, r.sample_index))
+            return
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
-        self.num_preemptions_total += 1
         self.waiting.appendleft(request)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        limits = self.limits
-        # Sequences that hold or will soon hold a slot: running ones and their unforked siblings.
-        num_seqs = len(self.running) + sum(
+    def _should_swap(self, request: Request) -> bool:
+        policy = self.preemption
+        if policy.mode == "recompute" or not self.kv.can_swap_out(request.request_id):
+            return False
+        if policy.mode == "swap" or request.group_id is not None:
+            return True
+        num_blocks = len(self.kv.get_block_table(request.request_id))
+        return num_blocks * policy.swap_s_per_block < request.num_computed_tokens * policy.recompute_s_per_token
+
+    def _num_active_seqs(self) -> int:
+        """Running sequences plus the unforked siblings of running requests."""
+        return len(self.running) + sum(
             len(siblings) for parent_id, siblings in self.pending_forks.items()
             if self.requests[parent_id].status == RequestStatus.RUNNING
         )
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        num_seqs = self._num_active_seqs()
+        while self.swapped and budget > 0 and num_seqs < self.limits.max_num_seqs:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            host_blocks = len(self.kv.swapped_tables[request.request_id])
+            total = -(-(request.num_computed_tokens + num_new) // self.kv.block_size)
+            if max(total, host_blocks) > self.kv.num_free_blocks:
+                break
+            pairs = self.kv.swap_in(request.request_id)
+            out.blocks_to_swap_in.extend(pairs)
+            self.num_swapped_in_blocks_total += len(pairs)
+            allocated = self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new, request=request)
+            assert allocated, "checked above"
+            self.swapped.pop(0)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: (r.arrival_time, r.sample_index))
+            self._add_scheduled(out, request, num_new)
+            budget -= num_new
+            num_seqs += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        limits = self.limits
+        num_seqs = self._num_active_seqs()
         while self.waiting and budget > 0:
             request = self.waiting[0]
             group_size = 1 + len(self.pending_forks.get(request.request_id, ()))
@@ -262,4 +337,7 @@ class Scheduler:
             kv_usage=pool.usage,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            num_swapped=len(self.swapped),
+            num_swapped_out_blocks_total=self.num_swapped_out_blocks_total,
+            num_swapped_in_blocks_total=self.num_swapped_in_blocks_total,
         )

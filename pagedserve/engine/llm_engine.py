@@ -11,7 +11,7 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.factory import build_kv_manager, build_scheduler
-from pagedserve.core.scheduler import SchedulerStats
+from pagedserve.core.scheduler import PreemptionPolicy, SchedulerStats
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from pagedserve.engine.tokenizer import load_tokenizer
@@ -53,14 +53,17 @@ class LLMEngine:
         self.max_model_len = _resolve_max_model_len(hf_config, model_cfg.max_model_len)
         self.num_blocks = self._size_kv_cache()
         self.runner.initialize_kv_cache(self.num_blocks)
-        self.kv_manager = build_kv_manager(config.cache, self.num_blocks, self.max_model_len)
+        spec = self.runner.kv_cache_spec()
+        self.num_swap_blocks = config.cache.swap_space_bytes // spec.bytes_per_block
+        self.runner.initialize_swap_space(self.num_swap_blocks)
+        self.kv_manager = build_kv_manager(config.cache, self.num_blocks, self.max_model_len, self.num_swap_blocks)
         sched = config.scheduler
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when chunked prefill is disabled"
             )
-        self.scheduler = build_scheduler(sched, self.kv_manager)
+        self.scheduler = build_scheduler(sched, self.kv_manager, self._preemption_policy())
         self.output_processor = OutputProcessor(self.tokenizer)
         self._groups: dict[str, SampleGroup] = {}
         self._next_request_id = 0
@@ -91,6 +94,18 @@ class LLMEngine:
             capacity / self.max_model_len, self.max_model_len,
         )
         return num_blocks
+
+    def _preemption_policy(self) -> PreemptionPolicy:
+        # Rough, device-independent estimates; they only need the right order of magnitude:
+        # recomputing a token costs ~2 FLOPs per parameter, swapping a block costs copying its
+        # bytes out and back.
+        num_params = sum(p.numel() for p in self.runner.model.parameters())
+        flops_per_s, bytes_per_s = (50e12, 20e9) if self.device.type == "cuda" else (50e9, 5e9)
+        return PreemptionPolicy(
+            mode=self.config.scheduler.preemption_mode,
+            recompute_s_per_token=2 * num_params / flops_per_s,
+            swap_s_per_block=2 * self.runner.kv_cache_spec().bytes_per_block / bytes_per_s,
+        )
 
     # ---- requests ----------------------------------------------------------------------
 

@@ -32,7 +32,14 @@ class LLM:
         max_num_batched_tokens: token budget of one step.
         enable_chunked_prefill: split long prompts over several steps.
         enable_prefix_caching: reuse the KV blocks of prompt prefixes seen before.
+        preemption_mode: "recompute", "swap" or "auto" (swap when copying is cheaper).
+        swap_space_bytes: host memory for swapped-out KV blocks.
         device: "auto", "cpu" or "cuda".
+        kv_allocation: "paged", or a contiguous baseline for benchmarks ("contiguous-max",
+            "contiguous-pow2", "contiguous-oracle"; see core/contiguous.py).
+        batching: "continuous", or a baseline for benchmarks ("static", "dynamic"; see
+            core/batching.py).
+        batch_window_s: dynamic batching's longest wait for a partial batch.
     """
 
     def __init__(
@@ -50,7 +57,12 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
+        preemption_mode: str = "auto",
+        swap_space_bytes: int = 1 << 30,
         device: str = "auto",
+        kv_allocation: str = "paged",
+        batching: str = "continuous",
+        batch_window_s: float = 0.05,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -66,11 +78,16 @@ class LLM:
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 num_gpu_blocks_override=num_gpu_blocks_override,
                 enable_prefix_caching=enable_prefix_caching,
+                swap_space_bytes=swap_space_bytes,
+                kv_allocation=kv_allocation,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill,
+                preemption_mode=preemption_mode,
+                batching=batching,
+                batch_window_s=batch_window_s,
             ),
             device=device,
         )

@@ -55,6 +55,7 @@ class ModelRunner:
         self.backend = get_attention_backend(device)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
+        self.swap_caches: list[torch.Tensor] = []
         self.generators: dict[str, torch.Generator] = {}
 
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -67,6 +68,19 @@ class ModelRunner:
             dtype=self.dtype,
         )
 
+    def initialize_swap_space(self, num_blocks: int) -> None:
+        """Host tensors mirroring the KV layout, for swapped-out blocks.
+
+        Not zeroed: a swap block is only read after a swap-out wrote it, and untouched
+        pages cost no memory.
+        """
+        spec = self.kv_cache_spec()
+        shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        pin = self.device.type == "cuda"
+        self.swap_caches = [
+            torch.empty(shape, dtype=spec.dtype, pin_memory=pin) for _ in range(spec.num_layers)
+        ] if num_blocks > 0 else []
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.kv_cache_spec(), num_blocks, self.device)
         for layer, cache in zip(self.attn_layers, self.kv_caches, strict=True):
@@ -76,8 +90,13 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_ids:
             self.generators.pop(request_id, None)
+        # Order matters: a block swapped out may be reused by a swap-in or a CoW copy.
+        if sched.blocks_to_swap_out:
+            self._copy_blocks(sched.blocks_to_swap_out, self.kv_caches, self.swap_caches)
+        if sched.blocks_to_swap_in:
+            self._copy_blocks(sched.blocks_to_swap_in, self.swap_caches, self.kv_caches)
         if sched.blocks_to_copy:
-            self._copy_blocks(sched.blocks_to_copy)
+            self._copy_blocks(sched.blocks_to_copy, self.kv_caches, self.kv_caches)
         if sched.is_empty:
             return ModelRunnerOutput([], [])
         input_ids, positions, common, logits_indices = self._prepare_inputs(sched)
@@ -139,11 +158,15 @@ class ModelRunner:
         logits_idx = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
         return input_ids, positions_t.to(self.device), common, logits_idx
 
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
+    @staticmethod
+    def _copy_blocks(
+        pairs: list[tuple[int, int]], src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor]
+    ) -> None:
+        """Copies whole blocks (K and V, every layer) between caches, possibly across devices."""
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=src_caches[0].device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=dst_caches[0].device)
+        for src_cache, dst_cache in zip(src_caches, dst_caches, strict=True):
+            dst_cache[:, dst] = src_cache[:, src].to(dst_cache.device, non_blocking=True)
 
     def _to_output(self, sched: SchedulerOutput, sampled) -> ModelRunnerOutput:
         # The step's only host sync: everything comes back as Python lists at once.
