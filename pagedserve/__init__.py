@@ -4,7 +4,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "__version__",
+]
 
 
 def __getattr__(name: str):
@@ -17,6 +19,10 @@ def __getattr__(name: str):
         from pagedserve.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "BeamSearchParams":
+        from pagedserve.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name in ("RequestOutput", "CompletionOutput"):
         from pagedserve import outputs
 

@@ -67,6 +67,8 @@ class Request:
     # For one sample of an n/best_of request: its group's id and its index in the group.
     group_id: str | None = None
     sample_index: int = 0
+    # Beam search chooses this request's tokens itself (the engine's BeamGroup).
+    is_beam: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -164,6 +164,10 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                # A beam waiting for its group's decision: nothing to compute yet.
+                index += 1
+                continue
             if not self._allocate_or_preempt(request, num_new, out):
                 break  # `request` itself was the last one and got preempted.
             self._add_scheduled(out, request, num_new)
@@ -310,6 +314,21 @@ class Scheduler:
         if request.check_stop():
             self.running.remove(request)
             self._retire(request)
+
+    def fork_request(self, parent: Request, child: Request, token_id: int) -> None:
+        """Starts `child` (a copy of `parent`'s tokens) on parent's blocks, then appends `token_id`.
+
+        Used by beam search after a step: the child shares every block of the parent;
+        the partial last block is copied on its first write.
+        """
+        if child.request_id in self.requests:
+            raise ValueError(f"request_id {child.request_id!r} is already in use")
+        self.requests[child.request_id] = child
+        self.kv.fork(parent.request_id, child.request_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        bisect.insort(self.running, child, key=lambda r: (r.arrival_time, r.sample_index))
+        child.append_output_token(token_id)
 
     def _fork_siblings(
         self, parent: Request, siblings: list[Request], tokens: list[int], updated: list[Request]

@@ -9,9 +9,11 @@ from typing import Any
 
 import torch
 
+from pagedserve.beam_search import BeamSearchParams
 from pagedserve.config import EngineConfig
 from pagedserve.core.factory import build_kv_manager, build_scheduler
 from pagedserve.core.scheduler import PreemptionPolicy, SchedulerStats
+from pagedserve.engine.beam_search import BeamSearchDriver
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from pagedserve.engine.tokenizer import load_tokenizer
@@ -66,6 +68,7 @@ class LLMEngine:
         self.scheduler = build_scheduler(sched, self.kv_manager, self._preemption_policy())
         self.output_processor = OutputProcessor(self.tokenizer)
         self._groups: dict[str, SampleGroup] = {}
+        self.beam_search = BeamSearchDriver(self.scheduler, self.tokenizer)
         self._next_request_id = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -183,9 +186,29 @@ class LLMEngine:
                 f"{len(token_ids)} tokens, leaving no room to generate (prompt too long)."
             )
 
+    def add_beam_search(self, request_id: str | None, prompt: PromptInput, params: BeamSearchParams) -> str:
+        """Queues a beam search; its result appears in `beam_search.results[request_id]`."""
+        prompt_text, token_ids = self._tokenize(prompt)
+        max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
+        # Each beam reports its top 2 * width raw logprobs; the group picks its tokens.
+        beam_params = SamplingParams(temperature=0, logprobs=2 * params.beam_width, max_tokens=max_tokens + 1, ignore_eos=True)
+        self._validate_prompt(token_ids, beam_params)
+        request_id = request_id if request_id is not None else self.new_request_id()
+        if request_id in self.beam_search.groups or request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        first = Request(
+            request_id=f"{request_id}#beam0", prompt_token_ids=token_ids, sampling_params=beam_params,
+            eos_token_id=self.eos_token_id, prompt=prompt_text, max_output_tokens=max_tokens + 1,
+            group_id=request_id, is_beam=True,
+        )
+        self.beam_search.add(first, params if max_tokens == params.max_tokens else _with_max_tokens(params, max_tokens))
+        return request_id
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = []
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if self.beam_search.abort(request_id):
+                continue
             group = self._groups.pop(request_id, None)
             ids.extend(group.sample_ids if group is not None else [request_id])
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
@@ -208,9 +231,12 @@ class LLMEngine:
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = now
         runner_out = self.runner.execute_model(sched_out)
-        updated = self.scheduler.update_from_output(
-            sched_out, runner_out.sampled_token_ids, runner_out.fork_token_ids
-        )
+        sampled = runner_out.sampled_token_ids
+        if self.beam_search.has_work():
+            self.beam_search.take_reports(sched_out, sampled, runner_out.logprobs)
+        updated = self.scheduler.update_from_output(sched_out, sampled, runner_out.fork_token_ids)
+        if self.beam_search.has_work():
+            self.beam_search.apply_decisions()
         self._record_step(sched_out)
         logprobs_by_id = _logprobs_by_request(sched_out, runner_out)
         now = time.monotonic()
@@ -266,6 +292,12 @@ class LLMEngine:
         """Leak check: engine idle, every block free, every reference count zero."""
         assert not self.has_unfinished_requests(), "engine still has unfinished requests"
         self.kv_manager.assert_all_free()
+
+
+def _with_max_tokens(params: BeamSearchParams, max_tokens: int) -> BeamSearchParams:
+    from dataclasses import replace
+
+    return replace(params, max_tokens=max_tokens)
 
 
 def _logprobs_by_request(sched_out, runner_out) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedserve.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedserve.engine.llm_engine import LLMEngine, PromptInput
 from pagedserve.outputs import RequestOutput
@@ -132,6 +133,35 @@ class LLM:
             # The template already placed any BOS token; do not add a second one.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt, run inside the engine (beams share KV blocks).
+
+        Returns, per prompt, its `beam_width` best sequences, best first.
+        """
+        engine = self.llm_engine
+        prompt_list = _as_prompt_list(prompts)
+        ids: list[str] = []
+        try:
+            for prompt in prompt_list:
+                ids.append(engine.add_beam_search(None, prompt, params))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        bar = tqdm(total=len(ids), desc="Beam search", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while any(i not in engine.beam_search.results for i in ids):
+                engine.step()
+                bar.n = sum(i in engine.beam_search.results for i in ids)
+                bar.refresh()
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in engine.beam_search.results])
+            raise
+        finally:
+            bar.close()
+        return [engine.beam_search.results.pop(i) for i in ids]
 
     def _add_all(self, prompts: list[PromptInput], params: list[SamplingParams]) -> list[str]:
         engine = self.llm_engine
