@@ -132,7 +132,7 @@ class _Model:
         before, needed = kv.num_free_blocks, kv.blocks_needed(seq, start, n)
         if kv.allocate_slots(seq, start, n):
             self.tokens[seq] = self.tokens.get(seq, []) + [token] * n
-            kv.cache_full_blocks(self.request(seq))
+            kv.cache_full_blocks(self.request(seq), len(self.tokens[seq]))
         else:
             assert needed > before and kv.num_free_blocks == before
 
@@ -145,7 +145,7 @@ class _Model:
         hits = self.kv.find_cached_prefix(req)
         n_hit = len(hits) * self.kv.block_size
         if self.kv.allocate_slots(seq, n_hit, len(tokens) - n_hit, hits):
-            self.kv.cache_full_blocks(self.request(seq))
+            self.kv.cache_full_blocks(self.request(seq), len(tokens))
         else:
             del self.tokens[seq]
 

@@ -20,7 +20,7 @@ def _admit(kv: KVCacheManager, req: Request) -> list[int]:
     computed = len(hits) * kv.block_size
     assert kv.allocate_slots(req.request_id, computed, req.num_tokens - computed, hits)
     req.num_computed_tokens = req.num_tokens
-    kv.cache_full_blocks(req)
+    kv.cache_full_blocks(req, req.num_tokens)
     return hits
 
 
@@ -113,6 +113,17 @@ def test_cache_hit_gives_the_output_of_a_miss(shared_prefix_prompts, engine_kwar
     assert stats.prefix_cache_hits >= sum(o.num_cached_tokens for o in second)
     if "num_gpu_blocks_override" in engine_kwargs:
         assert stats.num_preemptions_total > 0
+
+
+def test_requests_admitted_together_share_their_prefix(shared_prefix_prompts):
+    # Blocks are published when scheduled, so a request admitted in the same step as the
+    # one computing a shared prefix already reuses it.
+    path, prompts = shared_prefix_prompts
+    llm = LLM(path, max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert outs[0].num_cached_tokens == 0
+    assert [o.num_cached_tokens for o in outs[1:]] == [64] * (len(outs) - 1)
+    assert llm.llm_engine.get_stats().num_steps_total == 4  # one prefill step for all of them
 
 
 def test_hit_counters_match_reused_tokens(shared_prefix_prompts):

@@ -210,8 +210,13 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Publishes the request's blocks that are now full and computed."""
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publishes the request's blocks that are full once its first `num_tokens` are computed.
+
+        Called at scheduling time for the tokens this step computes: a request admitted
+        later in the same step may hit these blocks, which is safe because every layer
+        writes the step's new K/V before any attention reads the cache.
+        """
         if not self.enable_caching:
             return
         seq_id = request.request_id
@@ -219,7 +224,7 @@ class KVCacheManager:
         if not table:
             return
         start = self._num_published.get(seq_id, 0)
-        end = min(request.num_computed_tokens // self.block_size, len(table))
+        end = min(num_tokens // self.block_size, len(table))
         if end <= start:
             return
         hashes = self.block_hashes(request)

@@ -267,6 +267,7 @@ class Scheduler:
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
         sample = start + num_new == request.num_tokens
+        self.kv.cache_full_blocks(request, start + num_new)
         out.scheduled.append(
             ScheduledRequest(
                 request=request,
@@ -300,7 +301,6 @@ class Scheduler:
             if request.status.finished:
                 continue  # aborted between schedule() and now.
             request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_blocks(request)
             if token_id is None:
                 continue
             if item.fork_requests and fork_tokens is not None:
