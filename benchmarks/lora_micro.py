@@ -1,0 +1,231 @@
+"""Micro-benchmark of the multi-LoRA SGMV kernel against the base projections it rides on.
+
+Shapes of the 125M benchmark Llama (hidden 768, intermediate 2048, 12 heads / 4 KV heads of
+64): per layer, the base step is 4 matmuls (fused qkv, o, fused gate_up, down) and the LoRA
+step 7 `lora_apply` calls (q, k, v, o, gate, up, down) adding into column slices of the
+fused outputs, with the adapters' weights in a real paged KV cache (block 16, fp32).
+
+`--layers` distinct layers are cycled (weights, caches), so nothing stays in the 32 MB L3
+between uses, as in a 12-layer model. Every repetition times one pass over the layers for
+the base and then for LoRA; the minimum over repetitions is reported (the host is shared).
+
+Scenarios: decode batches of 32/128/256 tokens spread evenly over 1/8/64/256 adapters
+(sorted by adapter, as the runner does, so each adapter is one segment), ranks all 8 or
+mixed {8, 16, 32, 64}; a 512-token prefill over 1/2/4/8 adapters; rank 16 on all 7
+projections (the <= 5% target); 256 decodes over 256 mixed-rank adapters vs one adapter
+(the 1000-adapter target: a 256-token step drawn from 1000 adapters touches ~226).
+
+    python benchmarks/lora_micro.py [--threads N] [--reps 7] [--layers 4] [--dtype float32]
+                                    [--sweep-mm] [--quick]
+
+Columns: base / lora = ms per layer; overhead = lora / base; GB/s = adapter bytes read by
+the LoRA step / its time (the bound when each adapter serves few tokens: compare with the
+memory read bandwidth printed first); GFLOP/s of the LoRA step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.lora import kernels
+from pagedserve.lora.layout import plan_layout
+from pagedserve.lora.peft_loader import TARGETABLE, LoRAAdapter, LoRAModuleWeights
+from pagedserve.lora.segments import LoRASegments, ResidentAdapter, build_segments
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 768, 2048, 12, 4, 64, 16
+Q, KV = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+DIMS = {"q_proj": (HIDDEN, Q), "k_proj": (HIDDEN, KV), "v_proj": (HIDDEN, KV),
+        "o_proj": (Q, HIDDEN), "gate_proj": (HIDDEN, INTER), "up_proj": (HIDDEN, INTER),
+        "down_proj": (INTER, HIDDEN)}
+# Module -> (fused output it writes into, first column there).
+SLICES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", Q), "v_proj": ("qkv", Q + KV),
+          "o_proj": ("o", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", INTER),
+          "down_proj": ("down", 0)}
+MIXED = (8, 16, 32, 64)
+
+
+@dataclass
+class Layer:
+    w_qkv: torch.Tensor  # (Q + 2 KV, HIDDEN)
+    w_o: torch.Tensor  # (HIDDEN, Q)
+    w_gate_up: torch.Tensor  # (2 INTER, HIDDEN)
+    w_down: torch.Tensor  # (HIDDEN, INTER)
+    kv: torch.Tensor  # (2, blocks, BLOCK, KV_HEADS, HEAD_DIM): adapters live here
+
+
+def shape_only_adapter(rank: int, num_layers: int) -> LoRAAdapter:
+    """Weights never read (the cache is filled directly): only shapes matter for the layout."""
+    weights = {(layer, name): LoRAModuleWeights(torch.empty(rank, i), torch.empty(o, rank), 1.0)
+               for layer in range(num_layers) for name, (i, o) in DIMS.items()}
+    return LoRAAdapter(f"r{rank}", 1, "", rank, weights)
+
+
+def make_layers(num_layers: int, num_blocks: int, dtype: torch.dtype) -> list[Layer]:
+    def w(o: int, i: int) -> torch.Tensor:
+        return (torch.randn(o, i) / i**0.5).to(dtype)
+
+    return [Layer(w(Q + 2 * KV, HIDDEN), w(HIDDEN, Q), w(2 * INTER, HIDDEN), w(HIDDEN, INTER),
+                  torch.full((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), 0.01, dtype=dtype))
+            for _ in range(num_layers)]
+
+
+def place_adapters(ranks: list[int], num_layers: int, block_elems: int) -> list[ResidentAdapter]:
+    """Consecutive block runs, one per adapter (layouts depend only on rank)."""
+    layouts = {r: plan_layout(shape_only_adapter(r, num_layers), num_layers, block_elems)
+               for r in set(ranks)}
+    placed, first = [], 0
+    for r in ranks:
+        placed.append(ResidentAdapter(layouts[r], first))
+        first += layouts[r].num_blocks
+    return placed
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.dtype = getattr(torch, args.dtype)
+        self.reps, self.num_layers = args.reps, args.layers
+        self.block_elems = BLOCK * KV_HEADS * HEAD_DIM
+        # Enough blocks for the largest scenario: 256 adapters, ranks mixed evenly.
+        placed = place_adapters(list(MIXED), self.num_layers, self.block_elems)
+        max_blocks = 64 * sum(p.layout.num_blocks for p in placed)
+        self.layers = make_layers(self.num_layers, max_blocks, self.dtype)
+        self.storages = [kernels.flat_storage(layer.kv, self.dtype) for layer in self.layers]
+
+    def time_step(self, tokens: int, segs: LoRASegments | None) -> tuple[float, float]:
+        """(base, lora) seconds per layer, minimum over repetitions."""
+        x_h = torch.randn(tokens, HIDDEN, dtype=self.dtype)
+        x_i = torch.randn(tokens, INTER, dtype=self.dtype)
+        outs = {"qkv": torch.empty(tokens, Q + 2 * KV, dtype=self.dtype),
+                "o": torch.empty(tokens, HIDDEN, dtype=self.dtype),
+                "gate_up": torch.empty(tokens, 2 * INTER, dtype=self.dtype),
+                "down": torch.empty(tokens, HIDDEN, dtype=self.dtype)}
+        best_base = best_lora = float("inf")
+        for _ in range(self.reps):
+            t0 = time.perf_counter()
+            for layer in self.layers:
+                torch.mm(x_h, layer.w_qkv.T, out=outs["qkv"])
+                torch.mm(x_h, layer.w_o.T, out=outs["o"])
+                torch.mm(x_h, layer.w_gate_up.T, out=outs["gate_up"])
+                torch.mm(x_i, layer.w_down.T, out=outs["down"])
+            t1 = time.perf_counter()
+            if segs is not None:
+                self.lora_step(segs, x_h, x_i, outs)
+            t2 = time.perf_counter()
+            best_base, best_lora = min(best_base, t1 - t0), min(best_lora, t2 - t1)
+        return best_base / self.num_layers, best_lora / self.num_layers
+
+    def lora_step(self, segs: LoRASegments, x_h: torch.Tensor, x_i: torch.Tensor,
+                  outs: dict[str, torch.Tensor]) -> None:
+        for layer, (sa, sb) in enumerate(self.storages):
+            for m, name in enumerate(TARGETABLE):
+                out_name, col = SLICES[name]
+                y = outs[out_name][:, col : col + DIMS[name][1]]
+                x = x_i if name == "down_proj" else x_h
+                segs.apply(y, x, sa, sb, layer, m)
+
+    def segments(self, counts: list[int], ranks: list[int]) -> LoRASegments:
+        """counts[i] tokens for adapter i of rank ranks[i], adapters placed in the cache."""
+        placed = place_adapters(ranks, self.num_layers, self.block_elems)
+        return build_segments(list(zip(counts, placed, strict=True)), self.num_layers,
+                              len(TARGETABLE))
+
+    def row(self, label: str, tokens: int, counts: list[int], ranks: list[int]) -> float:
+        segs = self.segments(counts, ranks)
+        base, lora = self.time_step(tokens, segs)
+        item = torch.empty((), dtype=self.dtype).element_size()
+        per_rank = sum(i + o for i, o in DIMS.values())
+        read = sum(r * per_rank for r in ranks) * item
+        flops = 2 * sum(n * r * per_rank for n, r in zip(counts, ranks, strict=True))
+        print(f"{label:<34} {tokens:>5} {len(ranks):>5}  {base * 1e3:7.3f} {lora * 1e3:7.3f} "
+              f"{100 * lora / base:8.1f}% {read / lora / 1e9:6.1f} {flops / lora / 1e9:7.1f}")
+        return lora / base
+
+
+def spread(tokens: int, adapters: int) -> list[int]:
+    base, extra = divmod(tokens, adapters)
+    return [base + (i < extra) for i in range(adapters)]
+
+
+def read_bandwidth() -> float:
+    x = torch.ones(64 << 20)  # 256 MB
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def run_scenarios(bench: Bench, quick: bool) -> None:
+    print(f"{'scenario':<34} {'tok':>5} {'ads':>5}  {'base':>7} {'lora':>7} {'overhead':>9} "
+          f"{'GB/s':>6} {'GFLOP/s':>7}")
+    rng = random.Random(0)
+    for tokens in (32, 128, 256):
+        for adapters in (1, 8, 64, 256):
+            if adapters > tokens or (quick and adapters in (8, 64)):
+                continue
+            counts = spread(tokens, adapters)
+            bench.row("decode r=8", tokens, counts, [8] * adapters)
+            mixed = [MIXED[i % 4] for i in range(adapters)]
+            rng.shuffle(mixed)
+            bench.row("decode mixed {8,16,32,64}", tokens, counts, mixed)
+    for adapters in (1, 2, 4, 8):
+        bench.row("prefill 512 r=16", 512, spread(512, adapters), [16] * adapters)
+    print()
+    for tokens in (32, 256):
+        bench.row("target 1: rank 16, 1 adapter", tokens, [tokens], [16])
+    single = bench.time_step(256, bench.segments([256], [32]))
+    mixed = [MIXED[i % 4] for i in range(256)]
+    multi = bench.time_step(256, bench.segments([1] * 256, mixed))
+    base = min(single[0], multi[0])  # the same base matmuls: the less disturbed measurement
+    ratio = (base + single[1]) / (base + multi[1])
+    print(f"target 2: 256 decodes, 256 mixed-rank adapters (mean rank 30) vs one rank-32 "
+          f"adapter: throughput ratio {ratio:.3f} (lora {multi[1] * 1e3:.2f} vs "
+          f"{single[1] * 1e3:.2f} ms per layer, base {base * 1e3:.2f})")
+
+
+def sweep_mm(bench: Bench) -> None:
+    """Phase 1 by the SIMD kernel vs at::mm (BLAS) for one segment of n tokens."""
+    print("segment tokens x rank: SIMD-only vs BLAS phase 1 (LoRA ms per layer)")
+    defaults = kernels.MM_MIN_ROWS, kernels.MM_MIN_RANK
+    for rank in (8, 16, 32, 64):
+        for n in (4, 16, 32, 64, 128, 512):
+            segs = bench.segments([n], [rank])
+            times = []
+            for mm_rows, mm_rank in ((0, 0), (1, 1)):
+                kernels.MM_MIN_ROWS, kernels.MM_MIN_RANK = mm_rows, mm_rank
+                times.append(bench.time_step(n, segs)[1])
+            print(f"  n={n:>4} r={rank:>2}: simd {times[0] * 1e3:7.3f}  blas {times[1] * 1e3:7.3f}"
+                  f"  ratio {times[0] / times[1]:.2f}")
+    kernels.MM_MIN_ROWS, kernels.MM_MIN_RANK = defaults
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--sweep-mm", action="store_true", help="only the BLAS threshold sweep")
+    parser.add_argument("--quick", action="store_true", help="fewer adapter counts")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"kernel: {kernels.load_extension().isa()}, threads {args.threads}, {args.dtype}, "
+          f"{args.layers} layers cycled, BLAS phase 1 from {kernels.MM_MIN_ROWS} tokens and rank "
+          f"{kernels.MM_MIN_RANK}, "
+          f"memory read {read_bandwidth():.1f} GB/s")
+    bench = Bench(args)
+    if args.sweep_mm:
+        sweep_mm(bench)
+    else:
+        run_scenarios(bench, args.quick)
+
+
+if __name__ == "__main__":
+    main()

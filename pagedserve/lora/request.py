@@ -1,0 +1,25 @@
+"""A request's LoRA adapter, named as in vLLM: `LoRARequest(name, int_id, path)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """Which adapter a request uses.
+
+    Args:
+        lora_name: a human-readable name (error messages, metrics, the API's `model`).
+        lora_int_id: the engine's key for the adapter, >= 1 (0 means "base model" in
+            `Request.lora_id` and the prefix-cache key).
+        lora_path: folder with adapter_config.json + adapter_model.safetensors (or .bin).
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
