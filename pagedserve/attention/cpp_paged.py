@@ -1,0 +1,310 @@
+"""Fused C++ paged attention for CPU (csrc/paged_attention_cpu.cpp), built lazily.
+
+The kernel reads K/V blocks in place through the block table: no gather, no padding, one
+pass over each request's K/V with an online softmax. Work is cut into *items* once per
+step here; the kernel runs every (item, KV-head group) as one OpenMP task, handed out
+dynamically in item order, so items are sorted by estimated cost (longest first).
+
+    item = (seq, q_begin, q_end, kv_begin, kv_end, part)          int32 row of `items`
+
+    decode (query_len 1):  one item over the whole context ........ part = -1
+                           or, when there are too few requests to keep every thread busy,
+                           split in parts of `part_tokens` keys ... part = 0, 1, ...
+                           merged afterwards by log-sum-exp (one `merges` row per request)
+    prefill chunk:         one item per tile of `q_tile` query tokens, keys [0, ctx + q_end)
+                           (causal within the chunk, full over the cached context)
+
+The extension is compiled with -march=native, so its name carries a hash of the CPU's
+flags and the torch version: a build cache shared between machines never loads a binary
+built for another CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import logging
+import pathlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedserve import envs
+from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
+from pagedserve.attention.metadata import CommonAttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "paged_attention_cpu.cpp"
+# torch adds its own -std (C++20 for torch 2.13); the source itself is plain C++17.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+_TILE_KEYS = 32  # keys per kernel tile (KT in the C++): decode parts are multiples of it
+
+
+def _cost(query_tokens: int, keys: int) -> int:
+    """Relative cost of a work item: a decode is bound by its K/V bytes (~ keys), a prefill
+    tile by its FLOPs (~ query tokens x keys); one K/V row ~ the FLOPs of 4 query rows."""
+    return keys * (4 + query_tokens)
+
+
+class CppExtensionError(RuntimeError):
+    """The C++ paged-attention extension could not be built or loaded."""
+
+
+def _machine_signature() -> str:
+    """CPU flags and torch version: what a -march=native build of the extension depends on."""
+    try:
+        cpuinfo = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next(line for line in cpuinfo if line.startswith("flags"))
+    except (OSError, StopIteration):
+        import platform
+
+        flags = platform.processor() or platform.machine()
+    return f"{flags}|torch {torch.__version__}"
+
+
+def load_extension() -> Any:
+    """Build (first call: 10-30 s) or load the cached extension; its op namespace.
+
+    Raises:
+        CppExtensionError: no source, no compiler/ninja, or the build failed (remembered:
+            later calls in the process fail at once instead of recompiling).
+    """
+    ops, error = _load_once()
+    if error is not None:
+        raise error
+    return ops
+
+
+@functools.lru_cache(maxsize=1)
+def _load_once() -> tuple[Any, CppExtensionError | None]:
+    try:
+        return build_extension(), None
+    except CppExtensionError as exc:
+        return None, exc
+
+
+def build_extension(extra_cflags: tuple[str, ...] = (), namespace: str = "pagedserve_cpu") -> Any:
+    """Build / load the extension; `torch.ops.<namespace>`.
+
+    Variants (other `extra_cflags`, e.g. `-mno-avx512f` for the AVX2 path) must use their own
+    `namespace`, which the source takes as the macro PAGED_OPS_NAMESPACE: tests and A/B
+    benchmarks then load several builds into one process.
+    """
+    from torch.utils import cpp_extension
+
+    if not _SOURCE.is_file():
+        raise CppExtensionError(f"C++ source not found at {_SOURCE} (not a source checkout?)")
+    flags = [*_CFLAGS, *extra_cflags, f"-DPAGED_OPS_NAMESPACE={namespace}"]
+    tag = hashlib.sha1(f"{_machine_signature()}|{' '.join(flags)}".encode()).hexdigest()[:10]
+    name = f"pagedserve_paged_attention_{tag}"
+    build_dir = envs.torch_extensions_dir() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not (build_dir / f"{name}.so").exists():
+        logger.info("compiling the C++ paged-attention kernel (first use here, 10-30 s)")
+    start = time.perf_counter()
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError) as exc:  # no compiler / ninja, compile error
+        raise CppExtensionError(
+            f"building the C++ paged-attention kernel failed ({type(exc).__name__}: {exc}). "
+            "It needs a C++17 compiler with OpenMP and ninja (pip install ninja); "
+            f"build dir {build_dir}"
+        ) from exc
+    ops = getattr(torch.ops, namespace)
+    logger.info(
+        "C++ paged attention ready (%s, %.1f s, %s)",
+        ops.isa(),
+        time.perf_counter() - start,
+        build_dir,
+    )
+    return ops
+
+
+@dataclass(slots=True)
+class CppAttentionMetadata(AttentionMetadata):
+    backend: CppPagedAttentionBackend
+    num_tokens: int
+    # (num_tokens,) int64 flat slot of each new token.
+    slot_mapping: torch.Tensor
+    # (num_seqs, max_blocks) int32; (num_seqs,) int32; (num_seqs + 1,) int32.
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    # (num_items, 6) int32 work items, costliest first; (num_merges, 3) int32 split decodes.
+    items: torch.Tensor
+    merges: torch.Tensor
+    num_parts: int
+    max_q: int
+    # The step, kept for the torch fallback (dtypes the kernel does not handle).
+    common: CommonAttentionMetadata
+    fallback: AttentionMetadata | None = None
+
+
+class CppPagedAttentionBackend(AttentionBackend):
+    """Paged attention by the fused C++ kernel.
+
+    Args:
+        device: must be a CPU device.
+        q_tile: query tokens per prefill work item (rows = q_tile * GQA group).
+        heads_per_task: KV heads a decode task walks together (0 = all: a token's K/V rows
+            of every head are one contiguous run of the cache).
+        min_part_tokens: a decode is split into parts no shorter than this.
+        parts_per_thread: split decodes until there are about this many items per thread.
+        fused_cache_write: write new K/V with the C++ op instead of two `index_copy_`.
+        ops: the op namespace of a variant build (`build_extension`); default the native one.
+
+    Raises:
+        CppExtensionError: the extension cannot be built here.
+    """
+
+    name = "cpp_paged"
+
+    def __init__(
+        self,
+        device: torch.device | None = None,
+        q_tile: int = 16,
+        heads_per_task: int = 0,
+        min_part_tokens: int = 512,
+        parts_per_thread: int = 4,
+        fused_cache_write: bool = True,
+        ops: Any = None,
+    ) -> None:
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        if self.device.type != "cpu":
+            raise CppExtensionError(f"the C++ paged-attention kernel is CPU-only, not {device}")
+        self.q_tile = q_tile
+        self.heads_per_task = heads_per_task
+        self.min_part_tokens = min_part_tokens
+        self.parts_per_thread = parts_per_thread
+        self.fused_cache_write = fused_cache_write
+        self.ops = load_extension() if ops is None else ops
+        self._fallback_backend: AttentionBackend | None = None
+
+    # ---- once per step ------------------------------------------------------------------
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> CppAttentionMetadata:
+        q_lens, s_lens = common.query_lens_list, common.seq_lens_list
+        items, merges, num_parts = self._plan(q_lens, s_lens, torch.get_num_threads())
+        i32 = torch.int32
+        return CppAttentionMetadata(
+            backend=self,
+            num_tokens=common.num_tokens,
+            slot_mapping=common.slot_mapping.to(self.device, torch.int64).contiguous(),
+            block_tables=common.block_tables.to(self.device, i32).contiguous(),
+            seq_lens=torch.tensor(s_lens, dtype=i32),
+            query_start_loc=torch.tensor([0, *itertools.accumulate(q_lens)], dtype=i32),
+            items=torch.tensor(items, dtype=i32).view(-1, 6),
+            merges=torch.tensor(merges, dtype=i32).view(-1, 3),
+            num_parts=num_parts,
+            max_q=min(common.max_query_len, self.q_tile),
+            common=common,
+        )
+
+    def _plan(
+        self, q_lens: list[int], s_lens: list[int], threads: int
+    ) -> tuple[list[list[int]], list[list[int]], int]:
+        """Work items sorted costliest first, merge rows of split decodes, number of parts."""
+        part_tokens = self._part_tokens(q_lens, s_lens, threads)
+        costed: list[tuple[int, list[int]]] = []
+        merges: list[list[int]] = []
+        num_parts = 0
+        for seq, (q, s) in enumerate(zip(q_lens, s_lens, strict=True)):
+            if q == 1 and s > part_tokens:
+                bounds = [*range(0, s, part_tokens), s]
+                merges.append([seq, num_parts, len(bounds) - 1])
+                for b, e in itertools.pairwise(bounds):
+                    costed.append((_cost(1, e - b), [seq, 0, 1, b, e, num_parts]))
+                    num_parts += 1
+                continue
+            ctx = s - q
+            for qb in range(0, q, self.q_tile):
+                qe = min(q, qb + self.q_tile)
+                costed.append((_cost(qe - qb, ctx + qe), [seq, qb, qe, 0, ctx + qe, -1]))
+        costed.sort(key=lambda c: -c[0])
+        return [row for _, row in costed], merges, num_parts
+
+    def _part_tokens(self, q_lens: list[int], s_lens: list[int], threads: int) -> int:
+        """Split decodes only when there are too few items to keep `threads` busy."""
+        decode_kv = sum(s for q, s in zip(q_lens, s_lens, strict=True) if q == 1)
+        target = max(1, self.parts_per_thread * threads)
+        if threads <= 1 or decode_kv == 0:
+            return 1 << 30
+        part = max(self.min_part_tokens, -(-decode_kv // target))
+        return -(-part // _TILE_KEYS) * _TILE_KEYS
+
+    # ---- once per layer -----------------------------------------------------------------
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        assert isinstance(meta, CppAttentionMetadata)
+        if query.dtype not in _SUPPORTED_DTYPES or kv_cache.dtype != query.dtype:
+            return self._forward_fallback(query, key, value, kv_cache, meta, scale)
+        self.write_cache(key, value, kv_cache, meta.slot_mapping)
+        if query.stride(-1) != 1 or query.stride(1) != query.shape[2]:
+            query = query.contiguous()
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        self.ops.paged_attention(
+            out,
+            query,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.items,
+            meta.merges,
+            scale,
+            self.heads_per_task or key.shape[1],
+            meta.num_parts,
+            meta.max_q,
+        )
+        return out
+
+    def write_cache(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """kv_cache[0/1] at flat `slots` <- key / value (T, KVH, D)."""
+        rows_ok = all(t.stride(-1) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
+        if self.fused_cache_write and rows_ok:
+            self.ops.reshape_and_cache(key, value, kv_cache, slots)
+            return
+        cache = kv_cache.view(2, -1, key.shape[1], key.shape[2])
+        cache[0].index_copy_(0, slots, key)
+        cache[1].index_copy_(0, slots, value)
+
+    def _forward_fallback(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: CppAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Dtypes the kernel lacks (fp16): the torch backend, its metadata built once a step."""
+        if self._fallback_backend is None:
+            from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
+
+            self._fallback_backend = TorchPagedAttentionBackend(device=self.device)
+        if meta.fallback is None:
+            meta.fallback = self._fallback_backend.build_metadata(meta.common)
+        return self._fallback_backend.forward(query, key, value, kv_cache, meta.fallback, scale)
