@@ -5,7 +5,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 __all__ = [
-    "LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "__version__",
+    "LLM", "SamplingParams", "BeamSearchParams", "LoRARequest", "RequestOutput", "CompletionOutput",
+    "__version__",
 ]
 
 
@@ -19,6 +20,10 @@ def __getattr__(name: str):
         from pagedserve.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "LoRARequest":
+        from pagedserve.lora.request import LoRARequest
+
+        return LoRARequest
     if name == "BeamSearchParams":
         from pagedserve.beam_search import BeamSearchParams
 

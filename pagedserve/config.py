@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.quantization import QuantizationConfig
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -30,6 +32,22 @@ class ModelConfig:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
+    # Weight-only quantization at load time: None, "int8" or "int4" (see pagedserve/quantization).
+    quantization: str | None = None
+    quantization_group_size: int = 128
+    quantize_lm_head: bool = False
+
+    def __post_init__(self) -> None:
+        self.quant_config()  # validates
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head=True needs quantization='int8' or 'int4'")
+
+    def quant_config(self) -> QuantizationConfig | None:
+        if self.quantization is None:
+            return None
+        return QuantizationConfig(
+            self.quantization, self.quantization_group_size, self.quantize_lm_head
+        )
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
@@ -53,8 +71,12 @@ class CacheConfig:
     # "paged" (the product) or a contiguous-allocation baseline for the benchmarks:
     # "contiguous-max", "contiguous-pow2", "contiguous-oracle" (see core/factory.py).
     kv_allocation: str = "paged"
+    # "auto": the model's dtype; "int8": int8 K/V with a float32 scale per token and head.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -83,11 +105,27 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int = 4  # adapters resident on the device at once
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None  # host cache size; None = max(max_loras, 16)
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"
+    lora: LoRAConfig | None = None  # None: LoRA off
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

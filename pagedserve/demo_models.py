@@ -135,7 +135,7 @@ class _Init:
 
 @dataclass(frozen=True)
 class _ModelSpec:
-    model_type: str  # "llama" | "qwen2"
+    model_type: str  # "llama" | "qwen2" | "opt" | "gpt2"
     vocab_size: int
     config: dict[str, Any]
     seed: int = 0
@@ -258,6 +258,46 @@ _SPECS: dict[str, _ModelSpec] = {
         },
         seed=6,
         description="~125M-parameter Llama for benchmarks",
+    ),
+    "opt": _ModelSpec(
+        "opt",
+        _SMALL_VOCAB,
+        {
+            "hidden_size": 64,
+            "ffn_dim": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 2048,
+            # != hidden_size, so project_in / project_out are exercised (like opt-350m).
+            "word_embed_proj_dim": 48,
+            "do_layer_norm_before": True,
+        },
+        # Logits of rank word_embed_proj_dim repeat more under greedy decoding; of seeds
+        # 7/17/27/37 x dims 32/48 this one gave the most diverse greedy outputs.
+        seed=27,
+        description="tiny OPT: learned positions (offset 2), ReLU MLP, biases, projections, tied",
+    ),
+    "gpt2": _ModelSpec(
+        "gpt2",
+        _SMALL_VOCAB,
+        {"n_embd": 64, "n_inner": 128, "n_layer": 2, "n_head": 4, "n_positions": 2048},
+        seed=8,
+        description="tiny GPT-2: Conv1D weights, fused c_attn, learned positions, gelu_new, tied",
+    ),
+    "opt-125m": _ModelSpec(
+        "opt",
+        _BENCH_VOCAB,  # facebook/opt-125m has 50272 (padded); the local tokenizer has 32000
+        {
+            "hidden_size": 768,
+            "ffn_dim": 3072,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "max_position_embeddings": 2048,
+            "word_embed_proj_dim": 768,
+            "do_layer_norm_before": True,
+        },
+        seed=9,
+        description="~110M-parameter OPT shaped like facebook/opt-125m, for benchmarks",
     ),
 }
 
@@ -535,12 +575,15 @@ def _build_tokenizer(spec: dict[str, Any], out_dir: pathlib.Path) -> None:
 
 
 def _make_config(spec: _ModelSpec, tokenizer: Any) -> Any:
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import GPT2Config, LlamaConfig, OPTConfig, Qwen2Config
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[spec.model_type]
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "opt": OPTConfig, "gpt2": GPT2Config}
+    cls = classes[spec.model_type]
+    # OPT calls its init std `init_std`; the others `initializer_range`.
+    std_key = "init_std" if spec.model_type == "opt" else "initializer_range"
     return cls(
         vocab_size=spec.vocab_size,
-        initializer_range=spec.init.initializer_range,
+        **{std_key: spec.init.initializer_range},
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -553,11 +596,16 @@ def _make_config(spec: _ModelSpec, tokenizer: Any) -> Any:
 def _init_weights(model: Any, init: _Init) -> None:
     """Rescale a freshly ``from_config``-initialised model (all matrices N(0, ir)).
 
+    Llama/Qwen2 here; OPT and GPT-2 (LayerNorm models) in :func:`_init_layernorm_model`.
+
     Runs under the global torch RNG seeded by the caller, so it is deterministic.
     """
     import torch
 
     cfg = model.config
+    if cfg.model_type in ("opt", "gpt2"):
+        _init_layernorm_model(model, init)
+        return
     hidden = cfg.hidden_size
     ir = init.initializer_range
     with torch.no_grad():
@@ -593,6 +641,81 @@ def _init_weights(model: Any, init: _Init) -> None:
         if init.random_sign_final_norm:
             norm_w.mul_(torch.randint(0, 2, norm_w.shape).mul_(2).sub_(1).to(norm_w.dtype))
         norm_w.mul_(init.logit_std / (ir * hidden**0.5 * norm_w.pow(2).mean().sqrt()))
+        quiet_ids = [SPECIAL_TOKENS.index(t) for t in (UNK, BOS, PAD)]
+        model.get_output_embeddings().weight[quiet_ids] *= init.quiet_special_rows
+
+
+def _layernorm_parts(model: Any) -> tuple[list[dict[str, Any]], Any, Any]:
+    """Per layer {"q", "k", "v", "o", "fc_in", "fc_out", "norms"} as (weight view (out, in),
+    bias view) pairs, plus the final norm and OPT's project_out (or None).
+
+    GPT-2's fused Conv1D c_attn stores (in, 3 * hidden): q/k/v are column ranges, viewed
+    transposed so every weight here reads (out, in) like nn.Linear.
+    """
+    layers = []
+    if model.config.model_type == "gpt2":
+        e = model.config.hidden_size
+        for block in model.transformer.h:
+            w, b = block.attn.c_attn.weight, block.attn.c_attn.bias
+            qkv = [(w[:, i * e : (i + 1) * e].t(), b[i * e : (i + 1) * e]) for i in range(3)]
+            layers.append({
+                "q": qkv[0], "k": qkv[1], "v": qkv[2],
+                "o": (block.attn.c_proj.weight.t(), block.attn.c_proj.bias),
+                "fc_in": (block.mlp.c_fc.weight.t(), block.mlp.c_fc.bias),
+                "fc_out": (block.mlp.c_proj.weight.t(), block.mlp.c_proj.bias),
+                "norms": [block.ln_1, block.ln_2],
+            })
+        return layers, model.transformer.ln_f, None
+    decoder = model.model.decoder
+    for layer in decoder.layers:
+        a = layer.self_attn
+        layers.append({
+            **{n: (getattr(a, f"{n}_proj").weight, getattr(a, f"{n}_proj").bias) for n in "qkv"},
+            "o": (a.out_proj.weight, a.out_proj.bias),
+            "fc_in": (layer.fc1.weight, layer.fc1.bias),
+            "fc_out": (layer.fc2.weight, layer.fc2.bias),
+            "norms": [layer.self_attn_layer_norm, layer.final_layer_norm],
+        })
+    return layers, decoder.final_layer_norm, decoder.project_out
+
+
+def _init_layernorm_model(model: Any, init: _Init) -> None:
+    """:func:`_init_weights` for OPT / GPT-2 (pre-LN, LayerNorm with bias, ReLU/GELU MLP).
+
+    Same targets as for Llama: unit-scale q/k and MLP pre-activations (the LayerNorm output
+    has unit-RMS features), random biases (LayerNorm biases too), random norm weights, and
+    a final norm scaled (with random signs) to give logits of std ``logit_std``. OPT's
+    project_in/project_out get unit-gain weights so the logit scale still follows the norm.
+    """
+    import torch
+
+    cfg = model.config
+    hidden = cfg.hidden_size
+    ir = init.initializer_range
+    layers, final_norm, project_out = _layernorm_parts(model)
+    with torch.no_grad():
+        for parts in layers:
+            for name, target in (("q", init.qk_std), ("k", init.qk_std), ("fc_in", init.mlp_in_std)):
+                parts[name][0].normal_(0.0, target / hidden**0.5)
+            for name in ("q", "k", "fc_in", "v", "o", "fc_out"):
+                std = init.bias_std if name in ("q", "k", "fc_in") else init.out_bias_std
+                bias = parts[name][1]
+                if bias is not None:
+                    bias.normal_(0.0, std)
+            for norm in parts["norms"]:
+                norm.weight.uniform_(1.0 - init.norm_jitter, 1.0 + init.norm_jitter)
+                norm.bias.normal_(0.0, init.bias_std)
+        out_dim = hidden
+        if project_out is not None:  # OPT with word_embed_proj_dim != hidden_size
+            project_out.weight.normal_(0.0, 1.0 / hidden**0.5)
+            model.model.decoder.project_in.weight.normal_(0.0, 1.0 / cfg.word_embed_proj_dim**0.5)
+            out_dim = cfg.word_embed_proj_dim
+        norm_w = final_norm.weight
+        norm_w.uniform_(1.0 - init.norm_jitter, 1.0 + init.norm_jitter)
+        if init.random_sign_final_norm:
+            norm_w.mul_(torch.randint(0, 2, norm_w.shape).mul_(2).sub_(1).to(norm_w.dtype))
+        norm_w.mul_(init.logit_std / (ir * out_dim**0.5 * norm_w.pow(2).mean().sqrt()))
+        final_norm.bias.normal_(0.0, init.out_bias_std)
         quiet_ids = [SPECIAL_TOKENS.index(t) for t in (UNK, BOS, PAD)]
         model.get_output_embeddings().weight[quiet_ids] *= init.quiet_special_rows
 

@@ -6,6 +6,7 @@ options (API key, queue limit) without restarting it.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -47,13 +48,20 @@ def _bound_socket() -> socket.socket:
 
 @pytest.fixture(scope="module")
 def live_server() -> Iterator[LiveServer]:
+    with running_server([TEST_MODEL, *SERVE_ARGS]) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def running_server(serve_argv: list[str]) -> Iterator[LiveServer]:
+    """A real server (uvicorn in a thread) for `pagedserve serve <serve_argv>`."""
     import uvicorn
 
     from pagedserve.entrypoints.cli import build_parser, resolve_model
     from pagedserve.server.api_server import build_app
     from pagedserve.server.launch import build_context
 
-    args = build_parser().parse_args(["serve", TEST_MODEL, *SERVE_ARGS])
+    args = build_parser().parse_args(["serve", *serve_argv])
     model_path, name = resolve_model(args.model)
     ctx = build_context(args, model_path, name)
     sock = _bound_socket()

@@ -231,7 +231,8 @@ def save_config(config: PretrainedConfig, path: Path, arch: str) -> Path:
 @pytest.mark.parametrize(
     "config, arch, option",
     [
-        (GPT2Config(n_layer=1, n_embd=32, n_head=2), "GPT2LMHeadModel", "GPT2LMHeadModel"),
+        # A config of a supported family under an architecture name that is not.
+        (GPT2Config(n_layer=1, n_embd=32, n_head=2), "FalconForCausalLM", "FalconForCausalLM"),
         (MistralConfig(**TINY | {"sliding_window": 16}), "MistralForCausalLM", "sliding_window"),
         (
             Qwen2Config(**TINY, use_sliding_window=True, sliding_window=16),

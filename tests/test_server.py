@@ -385,7 +385,7 @@ class _FakeEngine:
         )
         return EngineStats(sched, 0, 0, 0, 0)
 
-    def add_request(self, request_id, prompt, params, arrival_time=None) -> str:
+    def add_request(self, request_id, prompt, params, arrival_time=None, lora_request=None) -> str:
         if prompt == "bad":
             raise ValueError("prompt is bad")
         self.requests[request_id] = 0

@@ -24,6 +24,11 @@ Per chunk, per layer:
          group into the query length: (n, KVH, group, D), 4.6x faster than enable_gqa in bf16
     out[rows] = o                                   scatter back to the flat batch order
 
+int8 KV cache (kv_cache_dtype="int8", layout in pagedserve/quantization/kv_int8.py): new K/V
+rows are quantized on write, gathered rows are dequantized into a reused workspace before
+SDPA, and the step's new tokens are used in their dequantized form too, so a token attends
+identically whether it was read back from the cache or computed in this step.
+
 Padding never reads unwritten cache memory: padded query rows repeat the request's last row
 and padded K/V positions repeat its last position (clamped), so uninitialised cache slots
 (possibly NaN, which would leak through 0 * NaN) are never touched; the mask hides them.
@@ -39,6 +44,7 @@ import torch.nn.functional as F
 
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
 from pagedserve.attention.metadata import CommonAttentionMetadata
+from pagedserve.quantization.kv_int8 import SCALE_BYTES, dequantize_kv, quantize_kv, row_bytes
 
 
 @dataclass(slots=True)
@@ -87,6 +93,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
     """
 
     name = "torch_paged"
+    supports_kv_int8 = True
 
     def __init__(
         self,
@@ -106,6 +113,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
         # Reused gather destination (2, capacity, KVH, D): big fresh allocations are page-faulted
         # on every call on CPU, which costs more than the copy itself.
         self._workspace: torch.Tensor | None = None
+        # int8 cache: reused destination of the dequantized gather, (2, capacity, KVH, D).
+        self._dequant_workspace: torch.Tensor | None = None
 
     # ---- once per step ------------------------------------------------------------------
 
@@ -159,10 +168,18 @@ class TorchPagedAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(meta, TorchAttentionMetadata)
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        # (2, num_slots, KVH, D): flat slot = block_id * block_size + offset.
-        cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
-        cache[0].index_copy_(0, meta.slot_mapping, key)
-        cache[1].index_copy_(0, meta.slot_mapping, value)
+        if kv_cache.dtype == torch.int8:
+            # (2, num_slots, KVH, D + 4) int8 rows; attention uses the dequantized new K/V.
+            cache = kv_cache.view(2, -1, num_kv_heads, row_bytes(head_dim))
+            k_rows, v_rows = quantize_kv(key), quantize_kv(value)
+            cache[0].index_copy_(0, meta.slot_mapping, k_rows)
+            cache[1].index_copy_(0, meta.slot_mapping, v_rows)
+            key, value = dequantize_kv(k_rows, key.dtype), dequantize_kv(v_rows, value.dtype)
+        else:
+            # (2, num_slots, KVH, D): flat slot = block_id * block_size + offset.
+            cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
+            cache[0].index_copy_(0, meta.slot_mapping, key)
+            cache[1].index_copy_(0, meta.slot_mapping, value)
         chunks = meta.chunks
         if len(chunks) == 1 and chunks[0].q_range == (0, meta.num_tokens):
             return self._attend(chunks[0], query, key, value, cache, scale)
@@ -199,6 +216,17 @@ class TorchPagedAttentionBackend(AttentionBackend):
         v = torch.index_select(cache[1], 0, slots, out=ws[1, :n])
         return k, v
 
+    def _dequantize(
+        self, k_rows: torch.Tensor, v_rows: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered int8 rows (n, KVH, D + 4) -> K and V (n, KVH, D) in `dtype` (workspace)."""
+        n, kvh, d = k_rows.shape[0], k_rows.shape[1], k_rows.shape[2] - SCALE_BYTES
+        ws = self._dequant_workspace
+        if ws is None or ws.shape[1] < n or ws.shape[2:] != (kvh, d) or ws.dtype != dtype:
+            capacity = max(n, ws.shape[1] * 3 // 2) if ws is not None else n
+            ws = self._dequant_workspace = k_rows.new_empty((2, capacity, kvh, d), dtype=dtype)
+        return dequantize_kv(k_rows, dtype, ws[0, :n]), dequantize_kv(v_rows, dtype, ws[1, :n])
+
     def _attend(
         self,
         c: AttnChunk,
@@ -215,6 +243,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
         # Context K/V from the cache; or, for fresh prefills, the new tokens themselves.
         if c.kv_slots is not None:
             k, v = self._gather(cache, c.kv_slots)
+            if cache.dtype == torch.int8:
+                k, v = self._dequantize(k, v, query.dtype)
         else:
             k, v = _take_rows(key, c), _take_rows(value, c)
         # (n, KVH, max_ctx, D) views over the (n * max_ctx, KVH, D) gather.

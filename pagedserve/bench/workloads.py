@@ -99,3 +99,29 @@ def from_sharegpt_json(path: str | Path, tokenizer, num_requests: int, seed: int
         if len(requests) == num_requests:
             break
     return requests
+
+
+def arrival_times(num_requests: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Arrival times (s) of a gamma process: shape `burstiness`, mean gap 1/rate.
+
+    burstiness 1 is a Poisson process, < 1 burstier, > 1 more regular; rate inf = all at 0.
+    """
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    t, times = 0.0, []
+    for _ in range(num_requests):
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+        times.append(t)
+    return times
+
+
+def fit_to_context(requests: list[WorkloadRequest], max_model_len: int) -> list[WorkloadRequest]:
+    """Trims prompts (keeping their start) and outputs so that prompt + output <= max_model_len."""
+    fitted = []
+    for r in requests:
+        prompt = r.prompt_token_ids[: max_model_len - 2]
+        fitted.append(WorkloadRequest(prompt, max(1, min(r.output_len, max_model_len - len(prompt)))))
+    return fitted

@@ -95,6 +95,31 @@ class BlockPool:
             if self.ref_cnt[block_id] == 0:
                 self._free[block_id] = None
 
+    def allocate_contiguous(self, num_blocks: int) -> int | None:
+        """Takes `num_blocks` consecutive free blocks (ids start..start+n-1), each ref_cnt 1.
+
+        LoRA adapters live in such runs (their weights are read in place, so they must be
+        contiguous). The highest-addressed free run is taken, away from where the free
+        queue hands out KV blocks first. Cached blocks in the run are evicted.
+
+        Returns:
+            The first block id, or None if no run of that length is free.
+        """
+        run = 0
+        for block_id in range(self.num_blocks - 1, -1, -1):
+            run = run + 1 if self.ref_cnt[block_id] == 0 else 0
+            if run == num_blocks:
+                start = block_id
+                for b in range(start, start + num_blocks):
+                    del self._free[b]
+                    if self.block_hash[b] is not None:
+                        del self._cached[self.block_hash[b]]
+                        self.block_hash[b] = None
+                        self.num_evictions += 1
+                    self.ref_cnt[b] = 1
+                return start
+        return None
+
     # ---- prefix cache --------------------------------------------------------------------
 
     def lookup(self, block_hash: bytes) -> int | None:
@@ -131,8 +156,9 @@ class BlockPool:
             assert self.block_hash[block_id] == block_hash, f"cache map and block {block_id} disagree"
         assert sum(h is not None for h in self.block_hash) == len(self._cached)
 
-    def assert_all_free(self) -> None:
-        """Asserts that no block is held: every reference count is zero (the leak check)."""
+    def assert_all_free(self, pinned: set[int] | None = None) -> None:
+        """The leak check: every reference count is zero, except `pinned` blocks (held once each)."""
         self.check_integrity()
-        held = [i for i, c in enumerate(self.ref_cnt) if c != 0]
-        assert not held, f"leaked KV blocks (still referenced): {held[:20]}"
+        pinned = pinned or set()
+        held = [i for i, c in enumerate(self.ref_cnt) if c != (1 if i in pinned else 0)]
+        assert not held, f"leaked KV blocks (unexpected reference counts): {held[:20]}"

@@ -330,7 +330,7 @@ class ContiguousKVCacheManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         return []
 
-    def cache_full_blocks(self, request: Request) -> None:
+    def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
         return None
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -380,8 +380,12 @@ class ContiguousKVCacheManager:
         for seq_id, region in self.regions.items():
             assert region.num_tokens <= region.num_blocks * self.block_size, f"{seq_id} overflows its region"
 
-    def assert_all_free(self) -> None:
-        """The leak check: no region left and the whole pool one free extent."""
+    def assert_all_free(self, adapter_blocks: set[int] | None = None) -> None:
+        """The leak check: no region left and the whole pool one free extent.
+
+        `adapter_blocks` (LoRA weights kept in KV blocks) must be empty: adapters live in a
+        paged pool, which the contiguous baselines do not offer."""
+        assert not adapter_blocks, "contiguous allocation cannot hold LoRA adapters in KV blocks"
         assert not self.regions, f"sequences still hold regions: {list(self.regions)[:10]}"
         self.pool.assert_all_free()
 

@@ -250,10 +250,11 @@ class KVCacheManager:
                     holders[block_id] += 1
             assert holders == pool.ref_cnt, "reference counts differ from the block tables"
 
-    def assert_all_free(self) -> None:
-        """The leak check: no block table left and every reference count zero."""
+    def assert_all_free(self, adapter_blocks: set[int] | None = None) -> None:
+        """The leak check: no block table left and every reference count zero, except the
+        blocks of resident LoRA adapters (`adapter_blocks`), each held exactly once."""
         assert not self.block_tables, f"sequences still hold blocks: {list(self.block_tables)[:10]}"
         assert not self.swapped_tables, f"sequences still hold swap blocks: {list(self.swapped_tables)[:10]}"
-        self.pool.assert_all_free()
+        self.pool.assert_all_free(adapter_blocks or set())
         if self.swap_pool is not None:
             self.swap_pool.assert_all_free()

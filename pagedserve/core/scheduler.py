@@ -30,10 +30,16 @@ import bisect
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagedserve.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pagedserve.lora.manager import LoRAManager
+
+from pagedserve.lora.residency import Residency
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +84,10 @@ class Scheduler:
         self.limits = limits
         self.kv = kv_manager
         self.preemption = preemption or PreemptionPolicy()
+        # Where LoRA adapters live; None when LoRA is off.
+        self.lora: LoRAManager | None = None
+        # Requests that failed in the scheduler (e.g. their adapter did not load), for the engine to report.
+        self.failed: list[Request] = []
         self.waiting: deque[Request] = deque()
         # Swapped-out requests, oldest arrival first.
         self.swapped: list[Request] = []
@@ -115,7 +125,7 @@ class Scheduler:
             if request is None or request.status.finished:
                 continue
             if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
+                self._leave_running(request)
             elif request.status == RequestStatus.SWAPPED:
                 self.swapped.remove(request)
             elif request in self.waiting:
@@ -132,6 +142,19 @@ class Scheduler:
                 if not siblings:
                     del self.pending_forks[parent_id]
                 return
+
+    def _enter_running(self, request: Request) -> None:
+        """The one way into `running` (kept in arrival order); pins the request's adapter."""
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=lambda r: (r.arrival_time, r.sample_index))
+        if self.lora is not None and request.lora_id:
+            self.lora.acquire(request.lora_id)
+
+    def _leave_running(self, request: Request) -> None:
+        """The one way out of `running`; unpins the adapter (idle adapters become evictable)."""
+        self.running.remove(request)
+        if self.lora is not None and request.lora_id:
+            self.lora.release(request.lora_id)
 
     def _retire(self, request: Request) -> None:
         self.kv.free(request.request_id)
@@ -177,7 +200,10 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new, request=request):
-            victim = self.running.pop()
+            if self.lora is not None and self.lora.evict_idle():
+                continue  # an idle adapter's blocks may be enough
+            victim = self.running[-1]
+            self._leave_running(victim)
             self._preempt(victim, out)
             out.preempted_ids.append(victim.request_id)
             if victim is request:
@@ -219,6 +245,8 @@ class Scheduler:
         num_seqs = self._num_active_seqs()
         while self.swapped and budget > 0 and num_seqs < self.limits.max_num_seqs:
             request = self.swapped[0]
+            if request.lora_id and not self._adapter_state(request):
+                break  # its adapter was evicted meanwhile and is not back yet
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             host_blocks = len(self.kv.swapped_tables[request.request_id])
             total = -(-(request.num_computed_tokens + num_new) // self.kv.block_size)
@@ -231,7 +259,7 @@ class Scheduler:
             assert allocated, "checked above"
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=lambda r: (r.arrival_time, r.sample_index))
+            self._enter_running(request)
             self._add_scheduled(out, request, num_new)
             budget -= num_new
             num_seqs += 1
@@ -240,11 +268,19 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         limits = self.limits
         num_seqs = self._num_active_seqs()
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
+        index = 0
+        while index < len(self.waiting) and budget > 0:
+            request = self.waiting[index]
             group_size = 1 + len(self.pending_forks.get(request.request_id, ()))
             if num_seqs + group_size > limits.max_num_seqs and num_seqs > 0:
                 break
+            if request.lora_id:
+                state = self._adapter_state(request)
+                if state is None:
+                    continue  # failed and left the queue
+                if not state:
+                    index += 1  # adapter still loading: later requests may go first
+                    continue
             # A waiting request holds no blocks: everything it reuses comes from the cache.
             cached_blocks = self.kv.find_cached_prefix(request)
             num_cached = len(cached_blocks) * self.kv.block_size
@@ -252,17 +288,42 @@ class Scheduler:
             if num_new > budget and not limits.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request.request_id, num_cached, num_new, cached_blocks, request=request):
+            if not self._allocate_evicting_adapters(request, num_cached, num_new, cached_blocks):
                 break
             request.num_computed_tokens = request.num_cached_tokens = num_cached
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=lambda r: (r.arrival_time, r.sample_index))
+            del self.waiting[index]
+            self._enter_running(request)
             self._add_scheduled(out, request, num_new)
             budget -= num_new
             num_seqs += group_size
+
+    def _adapter_state(self, request: Request) -> bool | None:
+        """True: adapter resident; False: still loading; None: it failed, request finished."""
+        assert self.lora is not None
+        state = self.lora.prepare(request.lora_id)
+        if state is Residency.FAILED:
+            request.stop_reason = str(self.lora.error(request.lora_id))
+            self.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+            self.failed.append(request)
+            return None
+        return state is Residency.READY
+
+    def _allocate_evicting_adapters(
+        self, request: Request, num_cached: int, num_new: int, cached_blocks: list[int]
+    ) -> bool:
+        # The request's own adapter is pinned meanwhile, so eviction cannot take it.
+        if self.lora is not None and request.lora_id:
+            self.lora.acquire(request.lora_id)
+        try:
+            while not self.kv.allocate_slots(request.request_id, num_cached, num_new, cached_blocks, request=request):
+                if self.lora is None or not self.lora.evict_idle():
+                    return False
+            return True
+        finally:
+            if self.lora is not None and request.lora_id:
+                self.lora.release(request.lora_id)
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
@@ -312,7 +373,7 @@ class Scheduler:
         request.append_output_token(token_id)
         updated.append(request)
         if request.check_stop():
-            self.running.remove(request)
+            self._leave_running(request)
             self._retire(request)
 
     def fork_request(self, parent: Request, child: Request, token_id: int) -> None:
@@ -327,7 +388,7 @@ class Scheduler:
         self.kv.fork(parent.request_id, child.request_id)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
-        bisect.insort(self.running, child, key=lambda r: (r.arrival_time, r.sample_index))
+        self._enter_running(child)
         child.append_output_token(token_id)
 
     def _fork_siblings(
@@ -342,7 +403,7 @@ class Scheduler:
             sibling.num_computed_tokens = parent.num_computed_tokens
             sibling.num_cached_tokens = parent.num_cached_tokens
             sibling.status = RequestStatus.RUNNING
-            bisect.insort(self.running, sibling, key=lambda r: (r.arrival_time, r.sample_index))
+            self._enter_running(sibling)
             self._append_token(sibling, token_id, updated)
 
     def stats(self) -> SchedulerStats:

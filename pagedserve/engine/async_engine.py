@@ -105,6 +105,7 @@ class _Add:
     group: RequestGroup
     arrival_time: float
     done: concurrent.futures.Future[None]
+    lora_request: Any = None
 
 
 class AsyncLLMEngine:
@@ -179,6 +180,7 @@ class AsyncLLMEngine:
         requests: list[tuple[PromptInput, SamplingParams]],
         arrival_time: float | None = None,
         group_id: str | None = None,
+        lora_request: Any = None,
     ) -> RequestGroup:
         """Queues the requests as one group, all or none.
 
@@ -193,7 +195,7 @@ class AsyncLLMEngine:
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         add = _Add(
             [(rid, prompt, params) for rid, (prompt, params) in zip(ids, requests, strict=True)],
-            group, arrival_time if arrival_time is not None else time.monotonic(), done,
+            group, arrival_time if arrival_time is not None else time.monotonic(), done, lora_request,
         )
         self._commands.put(("add", add))
         try:
@@ -281,7 +283,9 @@ class AsyncLLMEngine:
         added: list[str] = []
         try:
             for request_id, prompt, params in add.requests:
-                self.engine.add_request(request_id, prompt, params, arrival_time=add.arrival_time)
+                self.engine.add_request(
+                    request_id, prompt, params, arrival_time=add.arrival_time, lora_request=add.lora_request
+                )
                 added.append(request_id)
         except Exception as exc:  # noqa: BLE001 - a validation error goes back to its caller only
             self.engine.abort_request(added)

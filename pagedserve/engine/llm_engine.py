@@ -17,6 +17,9 @@ from pagedserve.engine.beam_search import BeamSearchDriver
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.lora.manager import LoRAManager
+from pagedserve.lora.peft_loader import module_dims_for
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
@@ -47,7 +50,8 @@ class LLMEngine:
             model_cfg.tokenizer or model_cfg.model
         )
         self.runner = ModelRunner(
-            model_cfg.model, model_cfg.torch_dtype(self.device), self.device, config.cache.block_size
+            model_cfg.model, model_cfg.torch_dtype(self.device), self.device, config.cache.block_size,
+            enable_lora=config.lora is not None,
         )
         hf_config = self.runner.hf_config
         self.vocab_size = self.runner.vocab_size
@@ -66,6 +70,7 @@ class LLMEngine:
                 f"({self.max_model_len}) when chunked prefill is disabled"
             )
         self.scheduler = build_scheduler(sched, self.kv_manager, self._preemption_policy())
+        self.lora_manager = self._start_lora() if config.lora is not None else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self._groups: dict[str, SampleGroup] = {}
         self.beam_search = BeamSearchDriver(self.scheduler, self.tokenizer)
@@ -98,6 +103,20 @@ class LLMEngine:
         )
         return num_blocks
 
+    def _start_lora(self) -> LoRAManager:
+        assert self.config.lora is not None
+        manager = LoRAManager(
+            self.config.lora,
+            self.kv_manager.pool,
+            module_dims_for(self.runner.hf_config),
+            len(self.runner.attn_layers),
+            self.runner.lora_block_elems(),
+            self.runner.write_adapter,
+        )
+        self.runner.lora_manager = manager
+        self.scheduler.lora = manager
+        return manager
+
     def _preemption_policy(self) -> PreemptionPolicy:
         # Rough, device-independent estimates; they only need the right order of magnitude:
         # recomputing a token costs ~2 FLOPs per parameter, swapping a block costs copying its
@@ -122,9 +141,14 @@ class LLMEngine:
         prompt: PromptInput,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Validates and queues a request; raises ValueError naming the bad field."""
+        """Validates and queues a request; raises ValueError naming the bad field.
+
+        `lora_request` selects an adapter (registered here, loaded from disk on demand).
+        """
         params = params or SamplingParams()
+        lora_id = self._register_lora(lora_request)
         prompt_text, token_ids = self._tokenize(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -144,6 +168,7 @@ class LLMEngine:
                 request_id=rid, prompt_token_ids=token_ids, sampling_params=sample_params,
                 eos_token_id=self.eos_token_id, prompt=prompt_text, cache_salt=cache_salt,
                 max_output_tokens=max_output, arrival_time=arrival, group_id=group, sample_index=index,
+                lora_id=lora_id,
             )
 
         if params.num_samples == 1:
@@ -185,6 +210,14 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens, and the prompt has "
                 f"{len(token_ids)} tokens, leaving no room to generate (prompt too long)."
             )
+
+    def _register_lora(self, lora_request: LoRARequest | None) -> int:
+        if lora_request is None:
+            return 0
+        if self.lora_manager is None:
+            raise ValueError("lora_request: LoRA is not enabled on this engine (enable_lora=True)")
+        self.lora_manager.register(lora_request)
+        return lora_request.lora_int_id
 
     def add_beam_search(self, request_id: str | None, prompt: PromptInput, params: BeamSearchParams) -> str:
         """Queues a beam search; its result appears in `beam_search.results[request_id]`."""
@@ -237,6 +270,7 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched_out, sampled, runner_out.fork_token_ids)
         if self.beam_search.has_work():
             self.beam_search.apply_decisions()
+        failed, self.scheduler.failed = self.scheduler.failed, []
         self._record_step(sched_out)
         logprobs_by_id = _logprobs_by_request(sched_out, runner_out)
         now = time.monotonic()
@@ -254,6 +288,10 @@ class LLMEngine:
                 output = self._group_output(request, output)
             if output is not None:
                 outputs.append(output)
+        for request in failed:
+            # Failed in the scheduler (its adapter did not load): reported, nothing else touched.
+            outputs.append(self.output_processor.make_output(request, True))
+            self.output_processor.finish(request.request_id, now)
         self._generation_tokens_total += len(updated)
         return outputs
 
@@ -291,7 +329,11 @@ class LLMEngine:
     def assert_no_leaks(self) -> None:
         """Leak check: engine idle, every block free, every reference count zero."""
         assert not self.has_unfinished_requests(), "engine still has unfinished requests"
-        self.kv_manager.assert_all_free()
+        adapter_blocks: set[int] = set()
+        if self.lora_manager is not None:
+            self.lora_manager.check_idle()
+            adapter_blocks = self.lora_manager.device_blocks()
+        self.kv_manager.assert_all_free(adapter_blocks)
 
 
 def _with_max_tokens(params: BeamSearchParams, max_tokens: int) -> BeamSearchParams:

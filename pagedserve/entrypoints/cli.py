@@ -57,6 +57,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse cached KV blocks of shared prompt prefixes (on by default)")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    group.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                       help="weight-only quantization of every linear layer at load time "
+                            "(int8: per output channel; int4: group-wise)")
+    group.add_argument("--quantization-group-size", type=int, default=128,
+                       help="int4 group size along the input dim: 32, 64, 128 or 256")
+    group.add_argument("--quantize-lm-head", action="store_true",
+                       help="also quantize the LM head (embeddings stay full precision)")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                       help="auto (the model's dtype) or int8 (per-token-per-head scales, "
+                            "~2x the blocks of bf16, ~4x of fp32)")
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:
@@ -88,6 +98,10 @@ def engine_kwargs(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "enable_prefix_caching": args.enable_prefix_caching,
         "device": args.device,
+        "quantization": args.quantization,
+        "quantization_group_size": args.quantization_group_size,
+        "quantize_lm_head": args.quantize_lm_head,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
 
 
@@ -112,6 +126,17 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
                        help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before being aborted")
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="log level of the server and engine")
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters on the base model")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                      help="adapters to serve; a request selects one with \"model\": NAME")
+    lora.add_argument("--max-loras", type=int, default=4, help="adapters resident in the KV memory pool at once")
+    lora.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
+    lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in the host cache")
+    lora.add_argument("--enable-lora-runtime-updates", action="store_true",
+                      help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    lora.add_argument("--lora-dir", action="append", default=[],
+                      help="root folder runtime-loaded adapters must live in (repeatable)")
     return parser
 
 
@@ -158,9 +183,22 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_parser(sub: Any) -> argparse.ArgumentParser:
+    from pagedserve.bench.cli import add_bench_parser
+
+    return add_bench_parser(sub)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from pagedserve.bench.cli import run_bench
+
+    return run_bench(args)
+
+
 _SUBCOMMANDS: dict[str, tuple[Callable[[Any], argparse.ArgumentParser], Callable[[Any], int]]] = {
     "serve": (_serve_parser, _run_serve),
     "generate": (_generate_parser, _run_generate),
+    "bench": (_bench_parser, _run_bench),
 }
 
 

@@ -8,8 +8,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedserve.beam_search import BeamSearchOutput, BeamSearchParams
-from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from pagedserve.engine.llm_engine import LLMEngine, PromptInput
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -36,11 +37,20 @@ class LLM:
         preemption_mode: "recompute", "swap" or "auto" (swap when copying is cheaper).
         swap_space_bytes: host memory for swapped-out KV blocks.
         device: "auto", "cpu" or "cuda".
+        enable_lora: serve PEFT LoRA adapters (per request, mixed in one batch).
+        max_loras: adapters resident in the KV memory pool at once.
+        max_lora_rank: largest adapter rank accepted.
+        max_cpu_loras: adapters kept in the host cache (default max(max_loras, 16)).
         kv_allocation: "paged", or a contiguous baseline for benchmarks ("contiguous-max",
             "contiguous-pow2", "contiguous-oracle"; see core/contiguous.py).
         batching: "continuous", or a baseline for benchmarks ("static", "dynamic"; see
             core/batching.py).
         batch_window_s: dynamic batching's longest wait for a partial batch.
+        quantization: None, "int8" (per-channel weights) or "int4" (group-wise weights),
+            applied to every linear layer while loading a full-precision checkpoint.
+        quantization_group_size: int4 group size (32, 64, 128 or 256).
+        quantize_lm_head: also quantize the LM head (embeddings stay full precision).
+        kv_cache_dtype: "auto" (the model's dtype) or "int8" (per-token-per-head scales).
     """
 
     def __init__(
@@ -64,6 +74,14 @@ class LLM:
         kv_allocation: str = "paged",
         batching: str = "continuous",
         batch_window_s: float = 0.05,
+        quantization: str | None = None,
+        quantization_group_size: int = 128,
+        quantize_lm_head: bool = False,
+        kv_cache_dtype: str = "auto",
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_lora_rank: int = 64,
+        max_cpu_loras: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -73,6 +91,9 @@ class LLM:
                 dtype=dtype,
                 seed=seed,
                 max_model_len=max_model_len,
+                quantization=quantization,
+                quantization_group_size=quantization_group_size,
+                quantize_lm_head=quantize_lm_head,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -81,6 +102,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 swap_space_bytes=swap_space_bytes,
                 kv_allocation=kv_allocation,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -91,6 +113,7 @@ class LLM:
                 batch_window_s=batch_window_s,
             ),
             device=device,
+            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
         )
         self.llm_engine = LLMEngine(config)
 
@@ -102,12 +125,36 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; results come back in input order."""
+        """Runs every prompt to completion; results come back in input order.
+
+        Args:
+            lora_request: one adapter for every prompt, or one (or None) per prompt.
+                Each adapter is loaded and validated first: a bad one raises
+                LoRALoadError naming it before any prompt runs.
+        """
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast_params(sampling_params, len(prompt_list))
-        request_ids = self._add_all(prompt_list, params_list)
+        loras = self._prepare_loras(lora_request, len(prompt_list))
+        request_ids = self._add_all(prompt_list, params_list, loras)
         return self._run(request_ids, use_tqdm)
+
+    def _prepare_loras(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+    ) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * n
+        else:
+            loras = list(lora_request)
+            if len(loras) != n:
+                raise ValueError(f"lora_request: got {len(loras)} for {n} prompts; pass one, or one per prompt")
+        manager = self.llm_engine.lora_manager
+        for lora in {lo for lo in loras if lo is not None}:
+            if manager is None:
+                raise ValueError("lora_request: LoRA is not enabled (LLM(..., enable_lora=True))")
+            manager.register(lora, load_now=True)
+        return loras
 
     def chat(
         self,
@@ -116,6 +163,7 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Applies the tokenizer's chat template to each conversation, then generates."""
         tokenizer = self.get_tokenizer()
@@ -132,7 +180,7 @@ class LLM:
             )
             # The template already placed any BOS token; do not add a second one.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
         self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams, use_tqdm: bool = False
@@ -163,12 +211,14 @@ class LLM:
             bar.close()
         return [engine.beam_search.results.pop(i) for i in ids]
 
-    def _add_all(self, prompts: list[PromptInput], params: list[SamplingParams]) -> list[str]:
+    def _add_all(
+        self, prompts: list[PromptInput], params: list[SamplingParams], loras: list[LoRARequest | None]
+    ) -> list[str]:
         engine = self.llm_engine
         added: list[str] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
-                added.append(engine.add_request(None, prompt, p))
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
+                added.append(engine.add_request(None, prompt, p, lora_request=lora))
         except Exception:
             # One bad prompt fails the call, but must not leave the others in the engine.
             engine.abort_request(added)

@@ -6,24 +6,38 @@
 
 Weights go through each parameter's `weight_loader`, so fused projections are filled
 shard by shard via the model's `stacked_params_mapping`; afterwards every parameter (and
-every shard of a fused one) must have been loaded.
+every shard of a fused one) must have been loaded. A model may rename checkpoint tensors
+(`map_checkpoint_name`: prefixes of older checkpoints, buffers to skip).
+
+With a QuantizationConfig every linear layer of the base model gets the config's method
+before loading and is quantized as soon as its last shard is in, so the full-precision
+weights of all layers never coexist: peak memory ~ the quantized model plus one layer
+(untouched `torch.empty` pages of the not-yet-loaded layers are never resident).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
+import logging
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from pagedserve.models.layers.linear import default_weight_loader
+from pagedserve.models.layers.embedding import LMHead
+from pagedserve.models.layers.linear import LinearBase, default_weight_loader
 from pagedserve.models.registry import get_model_class
+from pagedserve.quantization import QuantizationConfig, UnquantizedLinearMethod
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Checkpoint tensors that are derived at run time, never loaded.
@@ -31,9 +45,14 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(
-    model_path: str | Path, dtype: torch.dtype, device: torch.device
+    model_path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: QuantizationConfig | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Build the model for the folder's config on `device` in `dtype` and load its weights.
+
+    With `quantization`, linear weights are quantized while loading (see module docstring).
 
     Raises:
         ValueError: unsupported dtype, architecture (names it, lists the supported ones),
@@ -53,8 +72,66 @@ def load_model(
     model_cls = get_model_class(architectures[0])
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(config)
+        if quantization is not None:
+            attach_quant_methods(model, quantization, torch.device(device))
     load_weights(model, iter_checkpoint(path))
+    logger.info("weights: %.1f MiB resident (%s)", weight_bytes(model) / 2**20, _describe(model))
     return model.eval(), config
+
+
+def attach_quant_methods(
+    model: nn.Module, quantization: QuantizationConfig, device: torch.device
+) -> None:
+    """Give every linear layer (and the LM head if asked) the config's method, before loading.
+
+    A layer the int4 kernel cannot take (input size not a multiple of a supported group
+    size, output size not a multiple of 16) gets int8 instead, and is named in a warning.
+    """
+    if device.type != "cpu":
+        raise ValueError(
+            f"quantization={quantization.method!r} has CPU kernels only (device {device}); "
+            "a GPU kernel slots in as another LinearMethod"
+        )
+    method = quantization.linear_method()
+    fallback = QuantizationConfig("int8").linear_method()
+    fell_back = []
+    for name, module in model.named_modules():
+        wanted = isinstance(module, LinearBase) or (
+            isinstance(module, LMHead) and quantization.quantize_lm_head
+        )
+        if not wanted:
+            continue
+        if method.supports(module):
+            module.set_quant_method(method)
+        else:
+            module.set_quant_method(fallback)
+            fell_back.append(name)
+    if fell_back:
+        logger.warning(
+            "%s kernel cannot take these layers' shapes; they use %s: %s",
+            method.name, fallback.name, ", ".join(fell_back),
+        )
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer of `model` (shared storage counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _describe(model: nn.Module) -> str:
+    counts: dict[str, int] = defaultdict(int)
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(module, LinearBase | LMHead) and method is not None:
+            counts[method.name] += 1
+    return ", ".join(f"{n} {name} linear layers" for name, n in sorted(counts.items()))
 
 
 def _check_not_quantized(config: PretrainedConfig) -> None:
@@ -106,12 +183,16 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors into `model`'s parameters; ValueError if any is missing/unexpected."""
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
+    expected = {(n, s) for n, p in params.items() for s in getattr(p, "shard_ids", (None,))}
     mapping = getattr(model, "stacked_params_mapping", [])
+    rename = getattr(model, "map_checkpoint_name", None)
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    quantizer = _QuantizeWhenLoaded(model, params)
     loaded: set[tuple[str, object]] = set()
     unexpected: list[str] = []
-    for name, tensor in weights:
-        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+    for ckpt_name, tensor in weights:
+        name = rename(ckpt_name) if rename is not None else ckpt_name
+        if name is None or name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         param_name, shard = name, None
         for ckpt_part, param_part, shard_id in mapping:
@@ -133,7 +214,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         except ValueError as e:
             raise ValueError(f"loading {name!r} into {param_name!r}: {e}") from e
         loaded.add((param_name, shard))
-    expected = {(n, s) for n, p in params.items() for s in getattr(p, "shard_ids", (None,))}
+        quantizer.loaded(param_name, shard)
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if unexpected or missing:
         raise ValueError(
@@ -141,3 +222,68 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             f"missing {missing[:10]}{'...' if len(missing) > 10 else ''}, "
             f"unexpected {unexpected[:10]}{'...' if len(unexpected) > 10 else ''}"
         )
+    quantizer.finish()
+
+
+class _QuantizeWhenLoaded:
+    """Runs each quantized layer's `process_weights_after_loading` once all its tensors
+    (every shard of weight and bias) are loaded; `finish` does the rest (a tied LM head,
+    whose weight is the embedding's and is never loaded under its own name)."""
+
+    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter]) -> None:
+        self.params = params
+        self.modules: dict[str, nn.Module] = {}
+        self.waiting: dict[str, set[tuple[str, object]]] = {}
+        for prefix, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            if method is None or isinstance(method, UnquantizedLinearMethod):
+                continue
+            self.modules[prefix] = module
+            self.waiting[prefix] = {
+                (f"{prefix}.{n}", s)
+                for n, p in module.named_parameters(recurse=False)
+                if f"{prefix}.{n}" in params
+                for s in getattr(p, "shard_ids", (None,))
+            }
+
+    def loaded(self, param_name: str, shard: object) -> None:
+        prefix = param_name.rpartition(".")[0]
+        waiting = self.waiting.get(prefix)
+        if waiting is not None:
+            waiting.discard((param_name, shard))
+            if not waiting:
+                self._process(prefix)
+
+    def finish(self) -> None:
+        for prefix in list(self.modules):
+            self._process(prefix)
+
+    def _process(self, prefix: str) -> None:
+        module = self.modules.pop(prefix)
+        del self.waiting[prefix]
+        # Drop our references so the full-precision weight is freed as the method replaces it.
+        for n, _ in module.named_parameters(recurse=False):
+            self.params.pop(f"{prefix}.{n}", None)
+        module.quant_method.process_weights_after_loading(module)
+        release_free_memory()
+
+
+def release_free_memory() -> None:
+    """Hand memory freed by the allocator back to the OS (glibc `malloc_trim`; else a no-op).
+
+    Freed full-precision weights and quantization temporaries of a few MiB land in glibc's
+    heap (its mmap threshold rises after the first large free), which otherwise keeps them
+    resident: without this, an int8 model's RSS after loading is that of the fp32 model.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, or None (another libc)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None

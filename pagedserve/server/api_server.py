@@ -21,6 +21,12 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedserve import __version__
 from pagedserve.server.errors import APIError, error_body, install_error_handlers
+from pagedserve.server.lora_admin import (
+    LoadLoRARequest,
+    UnloadLoRARequest,
+    load_adapter,
+    unload_adapter,
+)
 from pagedserve.server.metrics import CONTENT_TYPE
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
@@ -76,7 +82,24 @@ async def models(request: Request) -> JSONResponse:
         }
         for name in ctx.model_names
     ]
+    data += [
+        {
+            "id": name, "object": "model", "created": now_s(), "owned_by": "pagedserve",
+            "root": lora.lora_path, "parent": ctx.model_names[0], "max_model_len": ctx.engine.max_model_len,
+        }
+        for name, lora in ctx.loras.adapters.items()
+    ]
     return JSONResponse({"object": "list", "data": data})
+
+
+@v1.post("/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> JSONResponse:
+    return JSONResponse(await load_adapter(get_ctx(request), body))
+
+
+@v1.post("/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> JSONResponse:
+    return JSONResponse(await unload_adapter(get_ctx(request), body))
 
 
 @root.get("/health")

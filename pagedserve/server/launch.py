@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from pagedserve.entrypoints.cli import engine_kwargs, resolve_model
@@ -30,12 +31,28 @@ def build_context(args: argparse.Namespace, model_path: str, default_name: str) 
     """The ServerContext: engine (from the engine flags), metrics and the serving options."""
     from pagedserve.engine.async_engine import AsyncLLMEngine
     from pagedserve.entrypoints.llm import LLM
+    from pagedserve.server.lora_admin import LoRARegistry
     from pagedserve.server.metrics import ServerMetrics
     from pagedserve.server.serving_common import ServerContext
 
     names = args.served_model_name or [default_name]
-    engine = LLM(**engine_kwargs(args, model_path)).llm_engine
+    kwargs = engine_kwargs(args, model_path)
+    if getattr(args, "enable_lora", False):
+        kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                      max_cpu_loras=args.max_cpu_loras)
+    elif getattr(args, "lora_modules", None):
+        raise SystemExit("--lora-modules needs --enable-lora")
+    engine = LLM(**kwargs).llm_engine
     metrics = ServerMetrics(names[0])
+    loras = LoRARegistry(
+        lora_dirs=[Path(d) for d in getattr(args, "lora_dir", [])],
+        runtime_updates=getattr(args, "enable_lora_runtime_updates", False),
+    )
+    if getattr(args, "lora_modules", None):
+        try:
+            loras.register_modules(engine, args.lora_modules)
+        except ValueError as exc:
+            raise SystemExit(f"pagedserve: {exc}") from None
     return ServerContext(
         engine=AsyncLLMEngine(engine, metrics, stall_timeout_s=args.stall_timeout),
         model_names=names,
@@ -44,6 +61,7 @@ def build_context(args: argparse.Namespace, model_path: str, default_name: str) 
         api_key=args.api_key or None,
         chat_template=load_chat_template(args.chat_template),
         max_queue_len=args.max_queue_len,
+        loras=loras,
     )
 
 

@@ -72,7 +72,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     params = make_params(body, max_tokens, logprobs)
     check_context_length(ctx, len(prompt_ids), max_tokens, "messages")
     prompt = {"prompt_token_ids": prompt_ids}
-    group = await submit(ctx, body, [(prompt, p) for p in fan_out(params, body.n)], arrival)
+    group = await submit(ctx, body, [(prompt, p) for p in fan_out(params, body.n)], arrival, ctx.lora_for(model))
     request_id = random_id("chatcmpl")
     if body.stream:
         return StreamingResponse(

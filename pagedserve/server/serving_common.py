@@ -13,9 +13,11 @@ from pydantic import BaseModel
 
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestGroup
 from pagedserve.engine.llm_engine import PromptInput
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError, bad_request
+from pagedserve.server.lora_admin import LoRARegistry
 from pagedserve.server.metrics import ServerMetrics
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -34,14 +36,18 @@ class ServerContext:
     api_key: str | None = None
     chat_template: str | None = None
     max_queue_len: int | None = None
+    loras: LoRARegistry = field(default_factory=LoRARegistry)
 
     def resolve_model(self, model: str | None) -> str:
-        """The served name to echo back; 404 for a model this server does not serve."""
+        """The served name to echo back (the base model's or an adapter's); 404 if unknown."""
         if model is None:
             return self.model_names[0]
-        if model not in self.model_names:
+        if model not in self.model_names and model not in self.loras.adapters:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
         return model
+
+    def lora_for(self, model: str) -> LoRARequest | None:
+        return self.loras.adapters.get(model)
 
     @property
     def tokenizer(self) -> Any:
@@ -87,7 +93,11 @@ def fan_out(params: SamplingParams, num_samples: int) -> list[SamplingParams]:
 
 
 async def submit(
-    ctx: ServerContext, body: BaseModel, requests: list[tuple[PromptInput, SamplingParams]], arrival: float
+    ctx: ServerContext,
+    body: BaseModel,
+    requests: list[tuple[PromptInput, SamplingParams]],
+    arrival: float,
+    lora_request: LoRARequest | None = None,
 ) -> RequestGroup:
     """Adds the requests to the engine as one group; validation errors become 400s."""
     engine = ctx.engine
@@ -97,7 +107,7 @@ async def submit(
             f"(--max-queue-len {ctx.max_queue_len}). Retry later.", None, "overloaded",
         )
     try:
-        return await engine.add_requests(requests, arrival_time=arrival)
+        return await engine.add_requests(requests, arrival_time=arrival, lora_request=lora_request)
     except ValueError as exc:
         raise bad_request(exc, set(type(body).model_fields)) from None
     except EngineDeadError as exc:

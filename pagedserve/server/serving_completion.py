@@ -65,7 +65,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_req
         for text, ids in prompts
         for sample_params in fan_out(params, num_samples)
     ]
-    group = await submit(ctx, body, requests, arrival)
+    group = await submit(ctx, body, requests, arrival, ctx.lora_for(model))
     request_id = random_id("cmpl")
     if body.stream:
         return StreamingResponse(

@@ -1,4 +1,12 @@
-"""Sizing and allocating the paged KV cache."""
+"""Sizing and allocating the paged KV cache.
+
+One tensor per layer, K at [0] and V at [1]; flat slot = block_id * block_size + offset:
+
+    float cache (dtype of the model):  (2, num_blocks, block_size, num_kv_heads, head_dim)
+    int8 cache  (kv_cache_dtype int8): (2, num_blocks, block_size, num_kv_heads, head_dim + 4)
+        each (token, head) row = head_dim int8 values + their float32 scale (4 bytes), see
+        pagedserve/quantization/kv_int8.py; the scale bytes are counted in bytes_per_token.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,10 @@ from dataclasses import dataclass
 
 import psutil
 import torch
+
+from pagedserve.quantization.kv_int8 import row_bytes
+
+KV_CACHE_DTYPES = ("auto", "int8")
 
 # Default share of the host's available memory given to the KV cache on CPU, and its cap:
 # the weights, activations and the Python process need the rest.
@@ -19,12 +31,22 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    # torch.int8 for the int8 cache (values + per-row float32 scales), else the model dtype.
     dtype: torch.dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == torch.int8
+
+    @property
+    def last_dim(self) -> int:
+        """Elements per (token, head) row: head_dim, plus the scale's 4 bytes when int8."""
+        return row_bytes(self.head_dim) if self.quantized else self.head_dim
 
     @property
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.last_dim * elem
 
     @property
     def bytes_per_block(self) -> int:
@@ -42,11 +64,18 @@ def num_blocks_for(spec: KVCacheSpec, memory_bytes: int) -> int:
     return memory_bytes // spec.bytes_per_block
 
 
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache tensor dtype for CacheConfig.kv_cache_dtype ("auto": the model's dtype)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return torch.int8 if kv_cache_dtype == "int8" else model_dtype
+
+
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-    """One (2, num_blocks, block_size, num_kv_heads, head_dim) tensor per layer: [0] = K, [1] = V.
+    """One (2, num_blocks, block_size, num_kv_heads, last_dim) tensor per layer: [0] = K, [1] = V.
 
     Zeroed, not just allocated: attention reads padding slots of unfilled blocks (and masks
     them), and a NaN left in uninitialised memory would survive a zero attention weight.
     """
-    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.last_dim)
     return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]

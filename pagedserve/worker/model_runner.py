@@ -15,19 +15,46 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.attention.backend import get_attention_backend
+from pagedserve import envs
+from pagedserve.attention.backend import AttentionBackend, get_attention_backend
 from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.core.sched_output import SchedulerOutput
+from pagedserve.lora.kernels import block_elems
+from pagedserve.lora.layers import lora_step, wrap_model_for_lora
+from pagedserve.lora.layout import AdapterLayout, write_adapter
+from pagedserve.lora.manager import LoRAManager
+from pagedserve.lora.peft_loader import TARGETABLE, LoRAAdapter
+from pagedserve.lora.segments import LoRASegments, build_segments
 from pagedserve.models.layers.attention import Attention
 from pagedserve.models.loader import load_model
+from pagedserve.quantization import QuantizationConfig
 from pagedserve.sample.input_builder import build_sampling_metadata
 from pagedserve.sample.sampler import Sampler
-from pagedserve.worker.kv_cache import KVCacheSpec, allocate_kv_caches
+from pagedserve.worker.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
 
 
 TokenLogprobs = tuple[list[int], list[float], list[int]]
+
+
+def _attention_backend(device: torch.device, kv_dtype: torch.dtype) -> AttentionBackend:
+    """The device's backend; with an int8 KV cache, one that supports it (`supports_kv_int8`):
+    an automatically chosen backend that does not is swapped for the torch one, a forced one
+    (PAGEDSERVE_ATTENTION_BACKEND) is refused."""
+    backend = get_attention_backend(device)
+    if kv_dtype != torch.int8 or getattr(backend, "supports_kv_int8", False):
+        return backend
+    if envs.attention_backend() is None:
+        from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
+
+        logger.info("kv_cache_dtype='int8': using the torch_paged attention backend (%s has "
+                    "no int8 KV path)", backend.name)
+        return TorchPagedAttentionBackend(device=device)
+    raise ValueError(
+        f"kv_cache_dtype='int8' is not supported by the {backend.name!r} attention backend "
+        "(PAGEDSERVE_ATTENTION_BACKEND); use kv_cache_dtype='auto' or the torch backend"
+    )
 
 
 @dataclass(slots=True)
@@ -42,21 +69,36 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, dtype: torch.dtype, device: torch.device, block_size: int) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        *,
+        quantization: QuantizationConfig | None = None,
+        kv_cache_dtype: str = "auto",
+        enable_lora: bool = False,
+    ) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        self.model, self.hf_config = load_model(model_path, dtype, device)
+        self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
+        self.backend = _attention_backend(device, self.kv_dtype)
+        self.model, self.hf_config = load_model(model_path, dtype, device, quantization)
         self.model.eval()
         self.attn_layers = sorted(
             (m for m in self.model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx
         )
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.backend = get_attention_backend(device)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []
         self.generators: dict[str, torch.Generator] = {}
+        # LoRA: wrappers around the projections (weights already loaded by name), and the
+        # manager that knows where each adapter lives (set by the engine).
+        self.lora_layers = wrap_model_for_lora(self.model) if enable_lora else []
+        self.lora_manager: LoRAManager | None = None
 
     def kv_cache_spec(self) -> KVCacheSpec:
         first = self.attn_layers[0]
@@ -65,7 +107,7 @@ class ModelRunner:
             num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim,
             block_size=self.block_size,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
         )
 
     def initialize_swap_space(self, num_blocks: int) -> None:
@@ -75,7 +117,7 @@ class ModelRunner:
         pages cost no memory.
         """
         spec = self.kv_cache_spec()
-        shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.last_dim)
         pin = self.device.type == "cuda"
         self.swap_caches = [
             torch.empty(shape, dtype=spec.dtype, pin_memory=pin) for _ in range(spec.num_layers)
@@ -85,6 +127,26 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.kv_cache_spec(), num_blocks, self.device)
         for layer, cache in zip(self.attn_layers, self.kv_caches, strict=True):
             layer.kv_cache = cache
+        for wrapper in self.lora_layers:
+            wrapper.bind(self.kv_caches[wrapper.layer_idx], self.dtype)
+
+    def lora_block_elems(self) -> int:
+        """LoRA-dtype elements one KV block holds in each half (K or V) of a layer's cache."""
+        return block_elems(self.kv_caches[0], self.dtype)
+
+    def write_adapter(self, adapter: LoRAAdapter, layout: AdapterLayout, first_block: int) -> None:
+        """Copies an adapter's weights into its run of KV blocks, in every layer."""
+        write_adapter(adapter, layout, self.kv_caches, first_block, self.dtype)
+
+    def _lora_segments(self, sched: SchedulerOutput) -> LoRASegments | None:
+        manager = self.lora_manager
+        if manager is None or not any(item.request.lora_id for item in sched.scheduled):
+            return None
+        runs = [
+            (item.num_new_tokens, manager.resident(item.request.lora_id) if item.request.lora_id else None)
+            for item in sched.scheduled
+        ]
+        return build_segments(runs, len(self.attn_layers), len(TARGETABLE))
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -101,7 +163,8 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         input_ids, positions, common, logits_indices = self._prepare_inputs(sched)
         attn_metadata = self.backend.build_metadata(common)
-        hidden = self.model(input_ids, positions, attn_metadata)
+        with lora_step(self._lora_segments(sched)):
+            hidden = self.model(input_ids, positions, attn_metadata)
         # One logits row per sampling request, then one per sibling it forks (same row).
         row_requests = [r for item in sched.scheduled if item.sample for r in (item.request, *item.fork_requests)]
         if not row_requests:

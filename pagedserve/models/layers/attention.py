@@ -4,6 +4,8 @@ The model runner finds every `Attention` module, sorts them by `layer_idx`, read
 `num_kv_heads` / `head_dim` to size the cache and assigns `attn.kv_cache`:
 
     kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim), K at [0], V at [1]
+              int8 cache: last dim head_dim + 4 (values + a float32 scale per row; see
+              pagedserve/quantization/kv_int8.py)
 
 It is a plain attribute, not a buffer: it is not part of the state dict, and `model.to()`
 never copies it.

@@ -1,8 +1,9 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm (optionally fused with the residual add that precedes it) and LayerNorm."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -35,3 +36,27 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim, like torch.nn.LayerNorm.
+
+    `elementwise_affine=False` (some OPT configs) has neither weight nor bias.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+            self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, affine={self.weight is not None}"

@@ -1,8 +1,11 @@
 """Linear layers with per-class weight loaders.
 
 Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)` so the loader
-never needs to know a layer's internals; quantized or LoRA-wrapped layers slot in by
-providing their own loader. Every layer exposes `output_sizes` (one entry per logical
+never needs to know a layer's internals. How the weight is stored and multiplied belongs to
+the layer's `quant_method` (pagedserve/quantization/base.py): it registers the weight
+(`create_weights`), may repack it once loaded (`process_weights_after_loading`, e.g. to int8)
+and computes the base output x W^T + b (`apply`); `forward` is exactly that base output, so
+a LoRA wrapper adds its delta on top of any quantized or unquantized base. Every layer exposes `output_sizes` (one entry per logical
 projection, in order along the output dim; a single entry unless fused), and fused layers
 `shard_ids` and `shard_slice(shard_id)`, so per-projection LoRA can find each slice:
 
@@ -15,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pagedserve.quantization.base import UNQUANTIZED, LinearMethod
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -29,7 +33,12 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
 
 
 class LinearBase(nn.Module):
-    """y = x W^T (+ b). Weights are left uninitialised: they always come from a checkpoint."""
+    """y = x W^T (+ b). Weights are left uninitialised: they always come from a checkpoint.
+
+    The bias always stays full precision (owned here); the weight belongs to `quant_method`.
+    """
+
+    shard_ids: list[Hashable] | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -37,16 +46,33 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         # Output rows per logical projection, in order (one entry unless fused).
         self.output_sizes = [output_size]
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        # Full precision until the loader attaches a quantization method (set_quant_method).
+        self.quant_method: LinearMethod = UNQUANTIZED
+        self.quant_method.create_weights(self)
+
+    def set_quant_method(self, method: LinearMethod) -> None:
+        """Before loading: hand the (still uninitialised) weight over to another method."""
+        for name, _ in list(self.named_parameters(recurse=False)):
+            if name != "bias":
+                delattr(self, name)
+        self.quant_method = method
+        method.create_weights(self)
+        self._tag_shards()
+
+    def _tag_shards(self) -> None:
+        # Fused layers: the loader checks that every shard of every parameter arrived.
+        if self.shard_ids is not None:
+            for p in self.parameters(recurse=False):
+                p.shard_ids = tuple(self.shard_ids)  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        """The base output x W^T + b (..., output_size); adapters add their delta to it."""
+        return self.quant_method.apply(self, x)
 
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Hashable | None = None
@@ -54,7 +80,10 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+        return (
+            f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
+            f"quant={self.quant_method.name}"
+        )
 
 
 class ReplicatedLinear(LinearBase):
@@ -86,8 +115,7 @@ class MergedLinear(LinearBase):
         self.shard_ids = (
             list(shard_ids) if shard_ids is not None else list(range(len(output_sizes)))
         )
-        for p in self.parameters():
-            p.shard_ids = tuple(self.shard_ids)  # type: ignore[attr-defined]  # loader checks all arrived
+        self._tag_shards()
 
     def shard_slice(self, shard_id: Hashable) -> slice:
         """Output rows of one shard, e.g. for a per-projection LoRA."""

@@ -1,0 +1,167 @@
+"""`pagedserve bench lora`: many LoRA adapters served at once (S-LoRA style): throughput and
+latency as the same requests spread over more distinct adapters.
+
+K adapters (rank --rank on --targets, random weights made with peft and cached on disk);
+request i uses adapter i % K, and K = 0 is the base model with LoRA off. At most
+--max-loras adapters are resident in the KV memory pool at once, so K above it makes the
+engine evict and reload adapters. Per K: a calibration run with every request queued at
+once (throughput, and the step-time model of bench/clock.py), then a Poisson run at
+--rate-fraction x the base model's capacity on that fitted clock (latency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pagedserve.bench.common import (
+    EngineSpec,
+    llm_accepts,
+    load_requests,
+    make_engine,
+    md_table,
+    parse_list,
+    progress,
+    resolve_model_path,
+    torch_threads,
+    warm_up,
+    write_outputs,
+)
+from pagedserve.bench.sim import run_simulated, summarize
+from pagedserve.bench.workloads import arrival_times
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-gqa", help="model folder or demo model name")
+    parser.add_argument("--workload", default="alpaca", choices=["sharegpt", "alpaca", "random"])
+    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--num-adapters", default="0,1,2,4,8,16", help="comma-separated K (0 = base model)")
+    parser.add_argument("--max-loras", type=int, default=8, help="adapters resident in KV memory at once")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="adapted modules")
+    parser.add_argument("--rate-fraction", type=float, default=0.7, help="of the base model's capacity")
+    parser.add_argument("--kv-tokens", type=int, default=16384)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not llm_accepts("enable_lora"):
+        print("pagedserve bench lora: not available yet: needs LoRA serving (LLM(enable_lora=...))", file=sys.stderr)
+        return 2
+    try:
+        import peft  # noqa: F401  (builds the benchmark's adapters)
+    except ImportError:
+        print("pagedserve bench lora: not available yet: needs peft to build adapters (pip install peft)",
+              file=sys.stderr)
+        return 2
+    if args.quick:
+        args.num_requests, args.num_adapters, args.max_loras = min(args.num_requests, 24), "0,2,4", 2
+    model = resolve_model_path(args.model)
+    requests = load_requests(args.workload, args.num_requests, model, args.max_model_len, args.seed)
+    results: list[dict[str, Any]] = []
+    base_capacity = None
+    with torch_threads(args.threads), progress(len(parse_list(args.num_adapters)), "adapters", args.progress,
+                                               True) as bar:
+        for k in parse_list(args.num_adapters, int):
+            result = _run_k(model, requests, k, args, base_capacity)
+            base_capacity = base_capacity or result["capacity_req_s"]
+            results.append(result)
+            bar.update(1)
+    settings = {"model": args.model, "workload": args.workload, "num_requests": len(requests),
+                "max_loras": args.max_loras, "rank": args.rank, "targets": args.targets,
+                "rate_fraction": args.rate_fraction, "kv_tokens": args.kv_tokens, "seed": args.seed}
+    data = {"settings": settings, "results": results}
+    paths = write_outputs(args.out_dir, args.name or "lora", data, markdown(data))
+    from pagedserve.bench.plots import plot_lora
+
+    paths.append(plot_lora(data, args.out_dir, args.name or "lora"))
+    print(markdown(data))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _run_k(model: str, requests: list, k: int, args: argparse.Namespace, base_capacity: float | None) -> dict:
+    from pagedserve.bench.clock import fit_step_model, modelled_makespan
+
+    spec = EngineSpec(model, kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
+                      max_loras=args.max_loras if k else 0, max_lora_rank=max(args.rank, 8))
+    adapters = build_adapters(model, k, args.rank, parse_list(args.targets), args.seed)
+    loras = [adapters[i % k] for i in range(len(requests))] if k else None
+    engine = make_engine(spec)
+    warm_up(engine)
+    calibration = run_simulated(engine, requests, [0.0] * len(requests), lora_requests=loras, id_prefix="c")
+    step_model = fit_step_model(calibration.steps)
+    capacity = len(requests) / modelled_makespan(calibration, step_model)
+    rate = args.rate_fraction * (base_capacity or capacity)
+    arrivals = arrival_times(len(requests), rate, seed=args.seed)
+    online = run_simulated(engine, requests, arrivals, lora_requests=loras, id_prefix="o", step_time=step_model)
+    manager = getattr(engine, "lora_manager", None)
+    engine.assert_no_leaks()
+    return {"num_adapters": k, "capacity_req_s": capacity, "request_rate": rate,
+            "offline": summarize(calibration), "online": summarize(online), "step_model": step_model.as_dict(),
+            "disk_loads": getattr(manager, "num_disk_loads", 0), "device_loads": getattr(manager, "num_device_loads", 0)}
+
+
+def build_adapters(model_path: str, k: int, rank: int, targets: list[str], seed: int) -> list[Any]:
+    """K PEFT LoRA adapters of the model (random weights), cached under the demo-model cache."""
+    from pagedserve.demo_models import default_cache_dir
+    from pagedserve.lora.request import LoRARequest
+
+    root = default_cache_dir() / "adapters"
+    adapters = []
+    for i in range(k):
+        key = json.dumps([str(Path(model_path).resolve()), rank, targets, seed + i, 1])
+        folder = root / f"bench-r{rank}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+        if not (folder / "adapter_config.json").is_file():
+            _build_adapter(model_path, folder, rank, targets, seed + i)
+        adapters.append(LoRARequest(f"bench-{i}", i + 1, str(folder)))
+    return adapters
+
+
+def _build_adapter(model_path: str, folder: Path, rank: int, targets: list[str], seed: int) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0,
+                        init_lora_weights=False)
+    peft_model = get_peft_model(base, config)
+    with torch.no_grad():  # B is zero-free so the adapter does change the outputs
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.01 * torch.randn_like(param))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=folder.parent))
+    try:
+        peft_model.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process built it meanwhile: keep theirs
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def markdown(data: dict[str, Any]) -> str:
+    s = data["settings"]
+    headers = ["adapters", "capacity (req/s)", "vs base", "rate (req/s)", "norm. latency (ms/tok)",
+               "TTFT mean (ms)", "TPOT mean (ms)", "E2E mean (s)", "adapter loads (disk / device)"]
+    base = data["results"][0]["capacity_req_s"] if data["results"] else 1.0
+    rows = [[r["num_adapters"] or "base (LoRA off)", r["capacity_req_s"], f"{r['capacity_req_s'] / base:.2f}x",
+             r["request_rate"], 1000 * r["online"]["normalized_latency_s"], r["online"]["ttft_ms"]["mean"],
+             r["online"]["tpot_ms"]["mean"], r["online"]["e2e_ms"]["mean"] / 1000,
+             f"{r['disk_loads']} / {r['device_loads']}"] for r in data["results"]]
+    title = (f"Multi-LoRA serving, {s['num_requests']} {s['workload']} requests, model {s['model']}, rank "
+             f"{s['rank']} on {s['targets']}, {s['max_loras']} adapters resident at most; request i uses "
+             f"adapter i % K. Capacity: all queued, fitted clock; latency: Poisson at "
+             f"{s['rate_fraction']} x the base capacity.")
+    return f"{title}\n\n{md_table(headers, rows)}"

@@ -1,0 +1,92 @@
+"""LoRA on top of the model's projections, for a whole heterogeneous batch at once.
+
+`wrap_model_for_lora` replaces each decoder layer's qkv_proj, o_proj, gate_up_proj and
+down_proj with a `LoRALinear` that runs the base projection (full precision or quantized,
+unchanged) and then adds every segment's adapter delta into the matching column slice:
+
+    qkv_proj output columns:     | q (module 0) | k (1) | v (2) |
+    gate_up_proj output columns: | gate (4) | up (5) |
+
+The step's segment tables reach the layers through `lora_step`, a context manager the
+model runner enters around the forward pass (always reset on exit); outside it, or in a
+step without adapter tokens, the wrappers cost one context-variable read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+from torch import nn
+
+from pagedserve.lora.kernels import flat_storage
+from pagedserve.lora.peft_loader import TARGETABLE
+from pagedserve.lora.segments import LoRASegments
+
+_segments: ContextVar[LoRASegments | None] = ContextVar("pagedserve_lora_segments", default=None)
+
+
+@contextmanager
+def lora_step(segments: LoRASegments | None) -> Iterator[None]:
+    token = _segments.set(segments)
+    try:
+        yield
+    finally:
+        _segments.reset(token)
+
+
+class LoRALinear(nn.Module):
+    """base(x) plus, for each (module, column slice), the segments' LoRA deltas."""
+
+    def __init__(self, base: nn.Module, layer_idx: int, slices: list[tuple[int, int, int]]) -> None:
+        super().__init__()
+        self.base = base
+        self.layer_idx = layer_idx
+        self.slices = slices  # (TARGETABLE index, first column, end column)
+        self.storage_a: torch.Tensor | None = None
+        self.storage_b: torch.Tensor | None = None
+
+    def bind(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> None:
+        """Points the layer at the KV-cache memory its adapters live in (zero-copy views)."""
+        self.storage_a, self.storage_b = flat_storage(kv_cache, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        segments = _segments.get()
+        if segments is None or segments.num_segments == 0:
+            return y
+        x = x.contiguous()
+        for module, start, end in self.slices:
+            out = y if end - start == y.shape[1] else y[:, start:end]
+            segments.apply(out, x, self.storage_a, self.storage_b, self.layer_idx, module)
+        return y
+
+
+def _slices(layer: nn.Module, names: tuple[str, ...]) -> list[tuple[int, int, int]]:
+    bounds, start = [], 0
+    for name, size in zip(names, layer.output_sizes, strict=True):
+        bounds.append((TARGETABLE.index(name), start, start + size))
+        start += size
+    return bounds
+
+
+def wrap_model_for_lora(model: nn.Module) -> list[LoRALinear]:
+    """Wraps the projections of a Llama-family model in place; returns the wrappers.
+
+    Raises:
+        ValueError: the model has no Llama-style decoder layers (LoRA needs them).
+    """
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer.self_attn, "qkv_proj") for layer in layers):
+        raise ValueError(f"enable_lora: {type(model).__name__} is not supported (LoRA serves Llama-family models)")
+    wrappers = []
+    for index, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = LoRALinear(attn.qkv_proj, index, _slices(attn.qkv_proj, ("q_proj", "k_proj", "v_proj")))
+        attn.o_proj = LoRALinear(attn.o_proj, index, _slices(attn.o_proj, ("o_proj",)))
+        mlp.gate_up_proj = LoRALinear(mlp.gate_up_proj, index, _slices(mlp.gate_up_proj, ("gate_proj", "up_proj")))
+        mlp.down_proj = LoRALinear(mlp.down_proj, index, _slices(mlp.down_proj, ("down_proj",)))
+        wrappers += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    return wrappers

@@ -1,0 +1,217 @@
+"""Where each LoRA adapter lives: device (in KV blocks) <- host cache <- disk.
+
+    disk ──(background thread)──> host cache (LRU, max_cpu_loras) ──(write)──> device run of KV blocks
+
+Device residency is S-LoRA's unified paging: an adapter takes a run of consecutive KV
+blocks from the same block pool as the KV cache (so adapters and KV compete for one
+budget, with no fixed reservation), and its weights are read in place from there. An
+adapter is pinned while running requests use it; idle ones are evicted least recently
+used first when another adapter or the KV cache needs the blocks.
+
+The scheduler asks `prepare(lora_id)` before admitting a request: READY means resident now;
+LOADING means a disk load is under way on the background thread (the request waits, the
+other requests keep running); FAILED carries the load error for that request alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from pagedserve.config import LoRAConfig
+from pagedserve.core.block_pool import BlockPool
+from pagedserve.lora.layout import AdapterLayout, plan_layout
+from pagedserve.lora.peft_loader import LoRAAdapter, LoRALoadError, load_peft_adapter
+from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.residency import Residency
+from pagedserve.lora.segments import ResidentAdapter
+
+logger = logging.getLogger(__name__)
+
+
+# Writes an adapter's weights into the KV blocks starting at the given block (the runner owns tensors).
+WriteAdapter = Callable[[LoRAAdapter, AdapterLayout, int], None]
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        config: LoRAConfig,
+        pool: BlockPool,
+        module_dims: dict[str, tuple[int, int]],
+        num_layers: int,
+        block_elems: int,
+        write_adapter: WriteAdapter,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.module_dims = module_dims
+        self.num_layers = num_layers
+        self.block_elems = block_elems
+        self.write_adapter = write_adapter
+        self.registered: dict[int, LoRARequest] = {}
+        self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._host_capacity = config.max_cpu_loras or max(config.max_loras, 16)
+        self._loading: dict[int, Future[LoRAAdapter]] = {}
+        self._errors: dict[int, LoRALoadError] = {}
+        self._device: OrderedDict[int, ResidentAdapter] = OrderedDict()  # LRU: oldest first
+        self._users: dict[int, int] = {}
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
+        self.num_disk_loads = 0
+        self.num_device_loads = 0
+
+    # ---- registry and host tier ----------------------------------------------------------
+
+    def register(self, request: LoRARequest, load_now: bool = False, adapter: LoRAAdapter | None = None) -> None:
+        """Makes an adapter known by id; `load_now` loads and validates it synchronously,
+        `adapter` hands over one already loaded (it goes to the host cache).
+
+        Raises:
+            LoRALoadError: (with load_now) the adapter is missing, corrupt, or unsupported.
+            ValueError: the id is already registered with another name or path.
+        """
+        known = self.registered.get(request.lora_int_id)
+        if known is not None and known != request:
+            raise ValueError(f"lora_int_id {request.lora_int_id} is already used by adapter {known.lora_name!r}")
+        self.registered[request.lora_int_id] = request
+        self._errors.pop(request.lora_int_id, None)
+        if adapter is not None:
+            self._to_host(request.lora_int_id, adapter)
+        elif load_now and request.lora_int_id not in self._host:
+            self._to_host(request.lora_int_id, self._load(request))
+
+    def unregister(self, lora_id: int) -> None:
+        if self._users.get(lora_id):
+            raise ValueError(f"adapter {lora_id} is in use by running requests")
+        self._evict_device(lora_id)
+        self._host.pop(lora_id, None)
+        self.registered.pop(lora_id, None)
+
+    def _load(self, request: LoRARequest) -> LoRAAdapter:
+        self.num_disk_loads += 1
+        return load_peft_adapter(request, self.module_dims, self.num_layers, self.config.max_lora_rank)
+
+    def _to_host(self, lora_id: int, adapter: LoRAAdapter) -> None:
+        self._host[lora_id] = adapter
+        self._host.move_to_end(lora_id)
+        while len(self._host) > self._host_capacity:
+            old_id = next(iter(self._host))
+            if old_id in self._device and old_id != lora_id:
+                self._host.move_to_end(old_id)  # resident adapters keep their host copy
+                if all(i in self._device for i in self._host):
+                    break
+                continue
+            del self._host[old_id]
+
+    # ---- device tier ---------------------------------------------------------------------
+
+    def prepare(self, lora_id: int) -> Residency:
+        """Makes the adapter resident if it can be now; never blocks on disk."""
+        if lora_id in self._device:
+            self._device.move_to_end(lora_id)
+            return Residency.READY
+        if lora_id in self._errors:
+            return Residency.FAILED
+        if lora_id not in self._host and not self._poll_load(lora_id):
+            return Residency.FAILED if lora_id in self._errors else Residency.LOADING
+        if self._place(lora_id):
+            return Residency.READY
+        return Residency.FAILED if lora_id in self._errors else Residency.LOADING
+
+    def error(self, lora_id: int) -> LoRALoadError:
+        return self._errors[lora_id]
+
+    def _poll_load(self, lora_id: int) -> bool:
+        """True once the adapter reached the host cache; starts a background load if needed."""
+        future = self._loading.get(lora_id)
+        if future is None:
+            if lora_id not in self.registered:
+                self._errors[lora_id] = LoRALoadError(f"LoRA adapter id {lora_id} is not registered")
+                return False
+            self._loading[lora_id] = self._loader.submit(self._load, self.registered[lora_id])
+            return False
+        if not future.done():
+            return False
+        del self._loading[lora_id]
+        try:
+            self._to_host(lora_id, future.result())
+        except LoRALoadError as exc:
+            self._errors[lora_id] = exc
+            return False
+        return True
+
+    def _place(self, lora_id: int) -> bool:
+        adapter = self._host[lora_id]
+        layout = plan_layout(adapter, self.num_layers, self.block_elems)
+        if layout.num_blocks > self.pool.num_blocks:
+            # Waiting would never help: fail the adapter's requests instead of stalling them.
+            self._errors[lora_id] = LoRALoadError(
+                f"LoRA adapter {adapter.name!r} needs {layout.num_blocks} KV blocks, more than the "
+                f"whole KV cache ({self.pool.num_blocks} blocks); raise kv_cache_memory_bytes"
+            )
+            return False
+        while len(self._device) >= self.config.max_loras:
+            if not self.evict_idle():
+                return False
+        first = self.pool.allocate_contiguous(layout.num_blocks)
+        while first is None:
+            if not self.evict_idle():
+                return False
+            first = self.pool.allocate_contiguous(layout.num_blocks)
+        self.write_adapter(adapter, layout, first)
+        self._device[lora_id] = ResidentAdapter(layout, first)
+        self.num_device_loads += 1
+        return True
+
+    def evict_idle(self) -> bool:
+        """Frees the least recently used adapter no running request uses; False if none."""
+        for lora_id in self._device:
+            if not self._users.get(lora_id):
+                self._evict_device(lora_id)
+                return True
+        return False
+
+    def _evict_device(self, lora_id: int) -> None:
+        resident = self._device.pop(lora_id, None)
+        if resident is not None:
+            self.pool.release(range(resident.first_block, resident.first_block + resident.layout.num_blocks))
+
+    def resident(self, lora_id: int) -> ResidentAdapter:
+        return self._device[lora_id]
+
+    def acquire(self, lora_id: int) -> None:
+        self._users[lora_id] = self._users.get(lora_id, 0) + 1
+
+    def release(self, lora_id: int) -> None:
+        self._users[lora_id] -= 1
+
+    def device_blocks(self) -> set[int]:
+        """Every KV block id holding a resident adapter."""
+        return {
+            b for r in self._device.values() for b in range(r.first_block, r.first_block + r.layout.num_blocks)
+        }
+
+    @property
+    def num_device_blocks(self) -> int:
+        return sum(r.layout.num_blocks for r in self._device.values())
+
+    def resident_ids(self) -> list[int]:
+        return list(self._device)
+
+    def host_ids(self) -> list[int]:
+        return list(self._host)
+
+    def check_idle(self) -> None:
+        """Leak check: no running request holds an adapter."""
+        held = {i: n for i, n in self._users.items() if n}
+        assert not held, f"adapters still pinned by requests: {held}"
+
+    def free_all(self) -> None:
+        """Evicts every resident adapter (their blocks go back to the pool)."""
+        for lora_id in list(self._device):
+            self._evict_device(lora_id)
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=False, cancel_futures=True)

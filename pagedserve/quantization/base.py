@@ -1,0 +1,80 @@
+"""The linear-layer quantization interface: one method object per linear layer.
+
+A linear layer (models/layers/linear.py) owns its shape, its shard bookkeeping and its
+bias; its `quant_method` owns how the weight is stored and multiplied:
+
+    create_weights(layer)                  register the parameters the checkpoint loads into
+                                           (each with `weight_loader = layer.weight_loader`,
+                                           so fused q/k/v and gate/up shards load by name)
+    process_weights_after_loading(layer)   once every shard is in: quantize, repack, free
+    apply(layer, x)                        x (..., in) -> x W^T + b  (..., out), in x.dtype
+
+`apply` is the *base* output only. A LoRA layer wrapping a quantized linear computes
+`layer.quant_method.apply(layer, x) + delta(x)` with the adapter in full precision; no
+method may fold anything else into its output.
+
+The methods here quantize at load time from a full-precision checkpoint, so their
+`create_weights` registers the ordinary full-precision weight; a method for a
+pre-quantized format (or a GPU kernel) registers its own tensors instead.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearMethod(ABC):
+    """How one linear layer stores its weight and computes x W^T + b."""
+
+    #: Short name for logs and reports ("unquantized", "int8", "int4").
+    name: str = "abstract"
+
+    def create_weights(self, layer: nn.Module) -> None:
+        """Register `layer.weight` (output_size, input_size) in the default dtype, uninitialised.
+
+        It always comes from a checkpoint, through `layer.weight_loader` (which knows the
+        layer's shards). Methods loading another format override this.
+        """
+        weight = nn.Parameter(
+            torch.empty(layer.output_size, layer.input_size), requires_grad=False
+        )
+        weight.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
+        layer.weight = weight
+
+    def supports(self, layer: nn.Module) -> bool:
+        """Whether this method can take `layer` (shape constraints of its kernel)."""
+        return True
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once after every shard of `layer` is loaded; the default keeps the weight."""
+        return
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x (..., input_size) -> x W^T + b (..., output_size) in x.dtype."""
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        """Bytes this method keeps resident for `layer` (weights, scales; not the bias)."""
+        return sum(t.numel() * t.element_size() for t in self.weight_tensors(layer))
+
+    def weight_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
+        return [layer.weight]
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    name = "unquantized"
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, getattr(layer, "bias", None))
+
+
+UNQUANTIZED = UnquantizedLinearMethod()
+
+
+def add_bias(y: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    bias = getattr(layer, "bias", None)
+    return y if bias is None else y.add_(bias)
