@@ -51,6 +51,8 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             model_cfg.model, model_cfg.torch_dtype(self.device), self.device, config.cache.block_size,
+            quantization=model_cfg.quant_config(),
+            kv_cache_dtype=config.cache.kv_cache_dtype,
             enable_lora=config.lora is not None,
         )
         hf_config = self.runner.hf_config

@@ -57,6 +57,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse cached KV blocks of shared prompt prefixes (on by default)")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    group.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
+                       help="how to preempt under memory pressure (auto: swap when copying is cheaper)")
+    group.add_argument("--swap-space", type=parse_bytes, default=1 << 30, metavar="BYTES",
+                       help="host memory for swapped-out KV blocks, e.g. 1GiB")
     group.add_argument("--quantization", default=None, choices=["int8", "int4"],
                        help="weight-only quantization of every linear layer at load time "
                             "(int8: per output channel; int4: group-wise)")
@@ -98,6 +102,8 @@ def engine_kwargs(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "enable_prefix_caching": args.enable_prefix_caching,
         "device": args.device,
+        "preemption_mode": args.preemption_mode,
+        "swap_space_bytes": args.swap_space,
         "quantization": args.quantization,
         "quantization_group_size": args.quantization_group_size,
         "quantize_lm_head": args.quantize_lm_head,
