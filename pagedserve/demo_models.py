@@ -13,15 +13,15 @@ no network access, so nothing can be downloaded.  This module *builds* such fold
 
 **The weights are random, so the generated text is random gibberish.**  The folders are
 nevertheless ordinary Hugging Face checkpoints: the engine loads them exactly like a real
-Llama/Qwen2 checkpoint, and ``transformers`` loads them too, which is what lets the tests
+Llama/Qwen2/OPT/GPT-2 checkpoint, and ``transformers`` loads them too, which is what lets the tests
 compare the engine's greedy output with ``transformers``' ``generate`` token for token.
 Point the engine at a real checkpoint folder to get meaningful text.
 
 The weights are random but not *default* random: plain ``from_config`` init yields a model
 whose attention is uniform, whose MLP is linear and whose logits are flat, so tests on it
 would miss RoPE/KV-cache/MLP/bias/norm-loading bugs and greedy decoding loops on one token.
-:class:`_Init` rescales q/k/gate/up to unit scale, randomises norms and biases and sets the
-logit scale; see its docstring.  Greedy decoding is then diverse and context-dependent.
+:class:`_Init` rescales q/k/gate/up (OPT/GPT-2: q/k/fc1/c_fc) to unit scale, randomises
+norms and biases and sets the logit scale; see its docstring.  Greedy decoding is then diverse and context-dependent.
 Two correct fp32 implementations can still disagree on a greedy step whose top-2 logits
 are closer than their float noise (~1e-5 here).  That is rare (no flips in ~30k measured
 steps between sdpa, eager and fp64 runs; top-2 gaps < 1e-3 on ~0.1% of steps) but not

@@ -130,6 +130,8 @@ def plot_sweep(data: dict[str, Any], out_dir: str | Path, name: str = "sweep") -
             else:
                 ax.plot(xs, ys, marker="o")
             ax.set(xlabel=axis, ylabel=ylabel)
+            if key == "token_state_share":
+                ax.set_ylim(0, 105)  # a share: keep the scale honest
     fig.suptitle(f"Sweeps on {data['settings']['model']}")
     return _save(fig, out_dir, f"{name}.png")
 

@@ -1,7 +1,8 @@
 """`pagedserve bench report`: every benchmark, then one Markdown page tying them together.
 
-    pagedserve bench report            # everything, ~30-40 min on the shared 2-core box
-    pagedserve bench report --quick    # the same pipeline on tiny settings, ~2 min
+    pagedserve bench report                # everything: ~19 min on the shared 2-core box
+    pagedserve bench report --quick        # the same pipeline on tiny settings, ~2.5 min
+    pagedserve bench report --render-only  # rewrite report.md from the results on disk
 
 Writes into --out-dir (default docs/benchmarks): each part's JSON, Markdown table and PNG,
 and report.md with the figures, a "how to read this" per figure, the key numbers and how
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# part -> (bench subcommand, its arguments). Budgeted for ~35 min on 2 shared cores.
+# part -> (bench subcommand, its arguments). Budgeted for ~20 min on 2 shared cores.
 PARTS: dict[str, tuple[str, list[str]]] = {
     "memory": ("memory", []),
     "online_sharegpt": ("serve", ["--workload", "sharegpt", "--num-requests", "200"]),
@@ -45,18 +46,26 @@ HOW_TO_READ = {
         "normalized latency, log scale) against the Poisson arrival rate; a curve turning up is the "
         "rate where that scheme's queue starts to grow without bound, i.e. its sustainable throughput. "
         "Right: the mean number of requests per engine step (time-weighted), which is what the KV "
-        "memory lets each scheme batch. Rates are fractions of the paged engine's offline capacity."),
+        "memory lets each scheme batch. Rates are fractions of the paged engine's capacity with every "
+        "request queued at once (on the same fitted clock)."),
     "online_alpaca": (
         "online_alpaca.png",
-        "As above for short Alpaca-like requests: reservations for max_model_len hurt contiguous-max "
-        "most here, because the requests are tiny next to the 2048-token regions it reserves."),
+        "As above for short Alpaca-like requests (prompt ~19, output ~58 tokens). Lines that coincide "
+        "exactly are schemes whose KV memory never became the limit at these rates: they made the same "
+        "scheduling decisions, and on the fitted clock the same decisions take the same time. On this "
+        "CPU the compute saturates (at ~35 requests per step) long before 16384 slots fill with short "
+        "requests, so only contiguous-max, which reserves 2048 slots per request and so runs at most 8 "
+        "at once, is memory-bound here; on a GPU, whose batches grow to hundreds, the others would be too."),
     "batching": (
         "batching.png",
         "Static batching waits for max_num_seqs requests (or the end of the trace) and runs the batch "
         "until its longest request ends; dynamic batching launches early once the oldest request has "
         "waited batch_window_s; continuous batching refills any free slot at the next step. Panels: "
         "output throughput, mean TTFT (queueing shows here first), mean TPOT and mean end-to-end "
-        "latency against the arrival rate, all on the paged engine with the same max_num_seqs."),
+        "latency against the arrival rate, all on the paged engine with the same max_num_seqs (32). "
+        "Static batches are the same 32 requests whatever the rate, hence its flat TPOT; its finished "
+        "members leave the batch at once (no padding compute), which flatters it against a real static "
+        "batcher."),
     "sharing": (
         "sharing.png",
         "Memory saving = 1 - distinct blocks / sum of every running sequence's block-table length, over "
@@ -94,18 +103,26 @@ METHOD = (
     "nearly the same for 1 or 100 sequences: the batch sizes each scheme reaches carry over, the "
     "throughput gaps are smaller than the paper's. All schemes preempt by recompute and run "
     "without prefix caching, so allocation is the only difference. Sweeps use the 125M model "
-    "(wall time, fastest of 2 runs per point). One torch thread throughout."
+    "(wall time, fastest of 2 runs per point; still noisy, +-30% between neighbouring points on "
+    "this shared machine). One torch thread throughout."
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
+    parser.add_argument("--render-only", action="store_true",
+                        help="rewrite report.md from the results already in --out-dir (no benchmark runs)")
 
 
 def run(args: argparse.Namespace) -> int:
     from pagedserve.bench.cli import parse_bench_args, run_bench
     from pagedserve.bench.common import parse_list
 
+    if args.render_only:
+        saved = json.loads((Path(args.out_dir) / "report.json").read_text())
+        path = write_report(Path(args.out_dir), saved["timings"], saved["total_s"], saved["quick"])
+        print(f"[report] wrote {path}")
+        return 0
     common = ["--out-dir", args.out_dir, "--seed", str(args.seed), "--threads", str(args.threads)]
     common += (["--quick"] if args.quick else []) + ([] if args.progress else ["--no-progress"])
     timings: dict[str, Any] = {}
@@ -149,6 +166,8 @@ def write_report(out_dir: Path, timings: dict[str, Any], total_s: float, quick: 
         lines += [f"_({timing['seconds']:.0f} s)_", ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
+    timings_json = {"timings": timings, "total_s": total_s, "quick": quick}
+    (out_dir / "report.json").write_text(json.dumps(timings_json, indent=2) + "\n")
     return path
 
 
@@ -161,7 +180,9 @@ def key_numbers(out_dir: Path, part: str) -> str:
     if part == "memory":
         shares = {r["label"]: r["memory"]["shares"]["token_states"] for r in data["results"]}
         return "Token-state share: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items()) + "."
-    if part.startswith("online") or part == "batching":
+    if part == "batching":
+        return _at_top_rate(data)
+    if part.startswith("online"):
         return _sustainable(data)
     if part == "sharing":
         ok = [r for r in data["results"] if "error" not in r]
@@ -184,6 +205,17 @@ def _sustainable(data: dict[str, Any]) -> str:
         points.sort()
         base = points[0][1]
         ok = [rate for rate, lat in points if lat <= 2 * base]
-        parts.append(f"{label} {max(ok):g} req/s")
+        parts.append(f"{label} {max(ok):.3g} req/s")
     return ("Highest tested rate with normalized latency within 2x of its low-load value: "
             + ", ".join(parts) + ".") if parts else ""
+
+
+def _at_top_rate(data: dict[str, Any]) -> str:
+    """Throughput and mean latencies of each config at the highest finite rate."""
+    finite = [r for r in data["results"] if isinstance(r["request_rate"], (int, float))]
+    if not finite:
+        return ""
+    top = max(r["request_rate"] for r in finite)
+    parts = [f"{r['label']}: {r['output_throughput']:.0f} tok/s, TTFT {r['ttft_ms']['mean']:.0f} ms, "
+             f"E2E {r['e2e_ms']['mean'] / 1000:.2f} s" for r in finite if r["request_rate"] == top]
+    return f"At {top:.3g} req/s: " + "; ".join(parts) + "."

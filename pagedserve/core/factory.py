@@ -37,5 +37,5 @@ def build_scheduler(
     if config.batching in BATCHING_POLICIES:
         from pagedserve.core.batching import build_batch_scheduler
 
-        return build_batch_scheduler(config.batching, limits, kv, config.batch_window_s)
+        return build_batch_scheduler(config.batching, limits, kv, config.batch_window_s, preemption=preemption)
     raise ValueError(f"batching must be one of {', '.join(BATCHING_POLICIES)}; got {config.batching!r}")
