@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -24,6 +25,8 @@ def load_serve_module() -> ModuleType:
     spec = importlib.util.spec_from_file_location("pagedserve_benchmarks_serve", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # dataclasses look their module up in sys.modules while the module executes.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
