@@ -23,7 +23,9 @@ All configurations use the torch attention backend (the only one with an int8 KV
 the KV rows compare like with like.
 
 Timings on a shared 2-core machine are noisy: kernels report the minimum over interleaved
-repeats; perf runs each configuration --runs times and reports the median.
+repeats; perf runs each configuration --runs times (interleaved) and reports the median, and
+also output tokens per CPU-second of the serving process (with --threads 1 that is the work
+per token, which other processes holding the cores do not inflate the way wall time does).
 """
 
 from __future__ import annotations
@@ -49,7 +51,11 @@ CONFIGS: dict[str, dict] = {
     "int4": {"dtype": "float32", "quantization": "int4"},
     "kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
     "int8+kv-int8": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "int8"},
+    # Not in the default run: quantized weights in a bf16 model (bf16 activations, LM head, KV).
+    "int8-bf16": {"dtype": "bfloat16", "quantization": "int8"},
+    "int4-bf16": {"dtype": "bfloat16", "quantization": "int4"},
 }
+DEFAULT_CONFIGS = ["fp32", "bf16", "int8", "int4", "kv-int8", "int8+kv-int8"]
 KERNEL_SHAPES = [(768, 2304), (768, 4096), (2048, 768), (768, 32000)]  # (in, out) of the 125M models
 KERNEL_ROWS = [1, 16, 64, 256]
 
@@ -294,6 +300,15 @@ def _rss_mib() -> tuple[float, float]:
     return fields.get("RssAnon", float("nan")), fields.get("VmRSS", float("nan"))
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process: on a shared machine, the work done, which
+    (unlike wall time) does not grow while other processes hold the cores."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _perf_worker(args: argparse.Namespace) -> dict:
     """One configuration serving the workload file; runs in its own process."""
     import resource
@@ -310,15 +325,16 @@ def _perf_worker(args: argparse.Namespace) -> dict:
     llm.generate([{"prompt_token_ids": [11, 12, 13]}], SamplingParams(max_tokens=4), use_tqdm=False)
     prompts = [{"prompt_token_ids": r["prompt"]} for r in workload]
     params = [SamplingParams(temperature=0, max_tokens=r["output_len"], ignore_eos=True) for r in workload]
-    start = time.perf_counter()
+    cpu_start, start = _cpu_seconds(), time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, _cpu_seconds() - cpu_start
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
     tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
             for o in outputs if len(o.outputs[0].token_ids) > 1]
     spec = engine.runner.kv_cache_spec()
     return {
         "elapsed_s": elapsed,
+        "cpu_s": cpu,
         "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
         "ttft_median_s": statistics.median(ttft),
         "tpot_median_s": statistics.median(tpot),
@@ -365,8 +381,8 @@ def run_perf(args: argparse.Namespace) -> list[dict]:
             for config in configs:
                 results[config].append(_spawn(config, args, f.name))
                 r = results[config][-1]
-                print(f"  run {run} {config}: {r['output_tokens'] / r['elapsed_s']:.1f} tok/s",
-                      file=sys.stderr, flush=True)
+                print(f"  run {run} {config}: {r['output_tokens'] / r['elapsed_s']:.1f} tok/s, "
+                      f"{r['output_tokens'] / r['cpu_s']:.1f} tok/CPU-s", file=sys.stderr, flush=True)
     finally:
         os.unlink(f.name)
     return [_summarise(c, results[c], args) for c in configs]
@@ -378,6 +394,7 @@ def _summarise(config: str, runs: list[dict], args: argparse.Namespace) -> dict:
     per_seq = med["kv_bytes_per_token"] * args.batch_seq_len
     return {"config": config, **med, "runs": len(runs),
             "throughput_tok_s": med["output_tokens"] / med["elapsed_s"],
+            "tok_per_cpu_s": med["output_tokens"] / med["cpu_s"],
             "max_batch_in_budget": max(0, int((budget - med["weight_bytes"]) // per_seq))}
 
 
@@ -385,12 +402,13 @@ def print_perf(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"\n### Serving {Path(args.model).name}: {args.num_requests} ShareGPT-like requests "
           f"(median of {args.runs}), KV budget {args.kv_cache_bytes / 2**20:.0f} MiB, "
           f"attention backend {args.attention_backend}, threads {args.threads or 'default'}\n")
-    print("| config | out tok/s | TTFT p50 (s) | TPOT p50 (ms) | weights (MiB) | KV B/token "
+    print("| config | out tok/s (wall) | out tok / CPU s | TTFT p50 (s) | TPOT p50 (ms) | weights (MiB) | KV B/token "
           "| KV blocks | anon / RSS loaded, peak RSS (MiB) | max batch in "
           f"{args.memory_budget / 2**20:.0f} MiB @ {args.batch_seq_len} tok |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['config']} | {r['throughput_tok_s']:.1f} | {r['ttft_median_s']:.2f} "
+        print(f"| {r['config']} | {r['throughput_tok_s']:.1f} | {r['tok_per_cpu_s']:.1f} "
+              f"| {r['ttft_median_s']:.2f} "
               f"| {r['tpot_median_s'] * 1e3:.1f} | {r['weight_bytes'] / 2**20:.1f} "
               f"| {r['kv_bytes_per_token']} | {r['num_blocks']} "
               f"| {r['anon_loaded_mib']:.0f} / {r['rss_loaded_mib']:.0f}, {r['peak_rss_mib']:.0f} "
@@ -407,7 +425,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--perf", action="store_true", help="only the serving table")
     p.add_argument("--quick", action="store_true", help="tiny models and workload (smoke test)")
     p.add_argument("--result-json", default=None)
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, from: " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help="comma-separated, from: " + ", ".join(CONFIGS))
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads everywhere (0: torch's default); 1 is steadier on a busy machine")
     p.add_argument("--kernel-reps", type=int, default=15)
