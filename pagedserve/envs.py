@@ -4,6 +4,9 @@ Read lazily (each accessor reads `os.environ` when called), so tests can set a v
 with `monkeypatch.setenv` after import.
 
     PAGEDSERVE_ATTENTION_BACKEND   "torch" | "cpp" | unset (auto: cpp on CPU when it builds)
+    PAGEDSERVE_CPU_GEMM            "onednn" | "torch" | unset (auto: onednn when torch has it)
+                                   how unquantized CPU linear layers multiply (see
+                                   quantization/packed.py)
     TORCH_EXTENSIONS_DIR           build cache for C++ extensions (torch's own variable);
                                    unset: ~/.cache/pagedserve/torch_extensions
 """
@@ -29,6 +32,23 @@ def attention_backend() -> AttentionBackendName | None:
     raise ValueError(
         f"PAGEDSERVE_ATTENTION_BACKEND must be one of {', '.join(_ATTENTION_BACKENDS)} "
         f"(or unset / auto); got {value!r}"
+    )
+
+
+CpuGemmName = Literal["onednn", "torch"]
+_CPU_GEMMS: tuple[CpuGemmName, ...] = ("onednn", "torch")
+
+
+def cpu_gemm() -> CpuGemmName | None:
+    """The forced CPU GEMM for unquantized linear layers, or None to choose automatically."""
+    value = os.environ.get("PAGEDSERVE_CPU_GEMM", "").strip().lower()
+    if not value or value == "auto":
+        return None
+    if value in _CPU_GEMMS:
+        return value  # type: ignore[return-value]
+    raise ValueError(
+        f"PAGEDSERVE_CPU_GEMM must be one of {', '.join(_CPU_GEMMS)} (or unset / auto); "
+        f"got {value!r}"
     )
 
 

@@ -13,6 +13,8 @@ With a QuantizationConfig every linear layer of the base model gets the config's
 before loading and is quantized as soon as its last shard is in, so the full-precision
 weights of all layers never coexist: peak memory ~ the quantized model plus one layer
 (untouched `torch.empty` pages of the not-yet-loaded layers are never resident).
+Without one, CPU float32/bfloat16 layers are repacked the same way for oneDNN's GEMM
+(quantization/packed.py).
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from pagedserve import envs
 from pagedserve.models.layers.embedding import LMHead
 from pagedserve.models.layers.linear import LinearBase, default_weight_loader
 from pagedserve.models.registry import get_model_class
 from pagedserve.quantization import QuantizationConfig, UnquantizedLinearMethod
+from pagedserve.quantization.packed import PACKED, onednn_available
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +78,7 @@ def load_model(
         model = model_cls(config)
         if quantization is not None:
             attach_quant_methods(model, quantization, torch.device(device))
+        attach_packed_methods(model, torch.device(device))
     load_weights(model, iter_checkpoint(path))
     logger.info("weights: %.1f MiB resident (%s)", weight_bytes(model) / 2**20, _describe(model))
     return model.eval(), config
@@ -113,8 +118,28 @@ def attach_quant_methods(
         )
 
 
+def attach_packed_methods(model: nn.Module, device: torch.device) -> None:
+    """Full precision on CPU: multiply through oneDNN with prepacked weights when possible.
+
+    Every linear layer and the LM head left in full precision (all of them, or the head of
+    a quantized model) take it unless PAGEDSERVE_CPU_GEMM=torch, the torch build lacks
+    oneDNN, or the dtype is not packable (float16 stays on F.linear).
+    """
+    choice = envs.cpu_gemm()
+    if device.type != "cpu" or choice == "torch" or not onednn_available():
+        if choice == "onednn" and device.type == "cpu":
+            raise ValueError("PAGEDSERVE_CPU_GEMM=onednn, but this torch build has no oneDNN")
+        return
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        full_precision = method is None or isinstance(method, UnquantizedLinearMethod)
+        if isinstance(module, LinearBase | LMHead) and full_precision and PACKED.supports(module):
+            module.set_quant_method(PACKED)
+
+
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer of `model` (shared storage counted once)."""
+    """Bytes of every parameter and buffer of `model` (shared storage counted once), plus
+    the opaque prepacked weights a linear method may hold outside them."""
     seen: set[int] = set()
     total = 0
     for t in [*model.parameters(), *model.buffers()]:
@@ -122,6 +147,12 @@ def weight_bytes(model: nn.Module) -> int:
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            total += sum(
+                t.numel() * t.element_size() for t in method.weight_tensors(module) if t.is_mkldnn
+            )
     return total
 
 
