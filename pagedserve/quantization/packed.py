@@ -65,6 +65,10 @@ class PackedLinearMethod(LinearMethod):
         """W (out, in) as an ordinary tensor (a copy): for merging adapters, checks."""
         return layer.packed_weight.to_dense()
 
+    def repack(self, layer: nn.Module, dense: torch.Tensor) -> None:
+        """Replace W with `dense` (out, in), e.g. an adapter merged into it."""
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense.contiguous(), _EXPECTED_ROWS)
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(
             x, layer.packed_weight, getattr(layer, "bias", None), "none", [], ""

@@ -1,0 +1,434 @@
+"""Multi-LoRA serving on the 125M model, S-LoRA style, side by side in one run.
+
+    python benchmarks/lora.py --result-json results/lora.json      # everything (~40 min here)
+    python benchmarks/lora.py --parts sweep --adapters 1,64 --quick # smoke run
+
+Workload (S-LoRA's): Poisson arrivals at --rate req/s (default saturating the engine, so
+throughput is capacity and TTFT includes queueing), input and output lengths uniform in
+[8, 512), random prompt tokens, `ignore_eos`. Request i uses adapter floor(u_i * K) with
+u_i ~ Power(alpha) (numpy's power distribution, S-LoRA's generator): alpha = 1 is uniform,
+alpha = 0.3 puts most requests on a few adapters.
+
+Parts (--parts, comma-separated):
+    sweep     throughput, TTFT, TPOT for K adapters (--adapters), ranks all-8 and mixed
+              {8, 16, 32, 64}, alpha 1 and 0.3; ratio to the 1-adapter run of the same ranks
+    merged    rank 16 on all 7 projections vs the same weights merged into the base, the
+              same engine and requests (runs alternate; median of --repeats)
+    switch    heterogeneous batching vs merge-and-switch (merge one adapter into the base,
+              run its queued requests, unmerge, next) for 2, 5 and 20 adapters, all queued
+    coldload  per rank: disk -> host (parse + validate) and host -> device (write into the
+              KV pool) latency; and TPOT of running decodes while adapters load vs not
+    int8      the sweep (all-8, alpha 1) again on an int8 weight-quantized base
+
+Adapter files: --distinct-files random PEFT-format adapters per rank are written once (under
+the pagedserve cache); adapter j of rank r is file j mod --distinct-files of rank r, served
+under its own name and id, so K adapters are K distinct adapters to the engine (own cache
+entries, own device pages, own loads) without K distinct files on disk. Targets q/k/v/o
+(S-LoRA's setting) for the sweep; all 7 projections for `merged`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pagedserve import LLM, LoRARequest, SamplingParams  # noqa: E402
+from pagedserve.lora.peft_loader import TARGETABLE, load_peft_adapter, module_dims_for  # noqa: E402
+
+MIXED_RANKS = (8, 16, 32, 64)
+QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+# ---- adapters and workload -----------------------------------------------------------------
+
+
+def adapter_folder(model: str, rank: int, targets: list[str], index: int) -> Path:
+    """A random PEFT LoRA adapter for `model` (B non-zero), written once and cached."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from pagedserve.demo_models import default_cache_dir
+
+    tag = f"{Path(model).name}-r{rank}-{'-'.join(t[0] + t[-4] for t in targets)}-{index}"
+    folder = default_cache_dir() / "adapters" / "bench-lora" / tag
+    if (folder / "adapter_model.safetensors").is_file():
+        return folder
+    config = AutoConfig.from_pretrained(model)
+    dims = module_dims_for(config)
+    gen = torch.Generator().manual_seed(1000 * rank + index)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for name in targets:
+            parent = "self_attn" if name in QKVO else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{parent}.{name}"
+            d_in, d_out = dims[name]
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) / d_in**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * 0.01
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "target_modules": targets, "bias": "none", "use_rslora": False, "fan_in_fan_out": False,
+        "base_model_name_or_path": str(model),
+    }))
+    return folder
+
+
+def make_adapters(model: str, k: int, ranks: tuple[int, ...], targets: list[str], distinct: int,
+                  first_id: int = 1) -> list[LoRARequest]:
+    """K adapters, ranks cycling through `ranks`; see the module docstring for the files."""
+    out = []
+    for j in range(k):
+        rank = ranks[j % len(ranks)]
+        folder = adapter_folder(model, rank, targets, (j // len(ranks)) % distinct)
+        out.append(LoRARequest(f"a{first_id + j}", first_id + j, str(folder)))
+    return out
+
+
+def workload(n: int, vocab: int, seed: int) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(8, 512, n)
+    outputs = rng.integers(8, 512, n)
+    return [{"prompt": rng.integers(100, vocab - 1, int(i)).tolist(), "output_len": int(o)}
+            for i, o in zip(inputs, outputs, strict=True)]
+
+
+def adapter_choice(n: int, k: int, alpha: float, seed: int) -> list[int]:
+    """S-LoRA's power-law choice: index floor(u * K), u ~ Power(alpha)."""
+    rng = np.random.default_rng(seed + 1)
+    return np.minimum((rng.power(alpha, n) * k).astype(int), k - 1).tolist()
+
+
+def arrivals(n: int, rate: float, seed: int) -> list[float]:
+    if rate <= 0:
+        return [0.0] * n
+    rng = np.random.default_rng(seed + 2)
+    return np.cumsum(rng.exponential(1.0 / rate, n)).tolist()
+
+
+# ---- running --------------------------------------------------------------------------------
+
+
+def make_llm(args: argparse.Namespace, max_loras: int, max_cpu_loras: int, quantization: str | None = None) -> LLM:
+    llm = LLM(args.model, enable_lora=True, max_loras=max_loras, max_lora_rank=64,
+              max_cpu_loras=max_cpu_loras, kv_cache_memory_bytes=args.kv_cache_bytes,
+              max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=2048,
+              quantization=quantization)
+    llm.generate([{"prompt_token_ids": [11, 12, 13]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    return llm
+
+
+def run_online(llm: LLM, reqs: list[dict], loras: list[LoRARequest | None], times: list[float]) -> dict:
+    """Feeds requests at their arrival times (real clock), steps until all finish."""
+    engine = llm.llm_engine
+    params = [SamplingParams(temperature=0, max_tokens=r["output_len"], ignore_eos=True) for r in reqs]
+    order = sorted(range(len(reqs)), key=lambda i: times[i])
+    start = time.monotonic()
+    done: dict[str, Any] = {}
+    nxt = 0
+    while nxt < len(order) or engine.has_unfinished_requests():
+        now = time.monotonic() - start
+        while nxt < len(order) and times[order[nxt]] <= now:
+            i = order[nxt]
+            engine.add_request(f"r{i}", {"prompt_token_ids": reqs[i]["prompt"]}, params[i],
+                               arrival_time=start + times[i], lora_request=loras[i])
+            nxt += 1
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        else:
+            time.sleep(max(0.0, times[order[nxt]] - now))
+    end = time.monotonic()
+    engine.assert_no_leaks()
+    return summarize(done, start, end)
+
+
+def summarize(done: dict[str, Any], start: float, end: float) -> dict:
+    ttft, tpot, tokens = [], [], 0
+    for out in done.values():
+        m, n = out.metrics, len(out.outputs[0].token_ids)
+        if out.outputs[0].finish_reason not in ("length", "stop"):
+            raise RuntimeError(f"{out.request_id} ended with {out.outputs[0].finish_reason}")
+        tokens += n
+        ttft.append(m.first_token_time - m.arrival_time)
+        if n > 1:
+            tpot.append((m.finished_time - m.first_token_time) / (n - 1))
+    wall = end - start
+    return {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall,
+            "req_s": len(done) / wall, "ttft_ms_mean": 1000 * statistics.mean(ttft),
+            "ttft_ms_p50": 1000 * statistics.median(ttft), "tpot_ms_mean": 1000 * statistics.mean(tpot)}
+
+
+def preload(llm: LLM, adapters: list[LoRARequest]) -> None:
+    """Adapters start in the host cache (S-LoRA keeps them in host memory), up to its size."""
+    manager = llm.llm_engine.lora_manager
+    for a in adapters[: manager._host_capacity]:
+        manager.register(a, load_now=True)
+
+
+def sweep_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple[int, ...], alpha: float,
+                quantization: str | None = None) -> dict:
+    adapters = make_adapters(args.model, k, ranks, QKVO, args.distinct_files)
+    choice = adapter_choice(len(reqs), k, alpha, args.seed)
+    used = sorted(set(choice))
+    llm = make_llm(args, args.max_loras, args.max_cpu_loras, quantization)
+    preload(llm, [adapters[j] for j in used])
+    result = run_online(llm, reqs, [adapters[j] for j in choice], arrivals(len(reqs), args.rate, args.seed))
+    manager = llm.llm_engine.lora_manager
+    result.update(num_adapters=k, ranks="mixed" if len(ranks) > 1 else str(ranks[0]), alpha=alpha,
+                  distinct_used=len(used), disk_loads=manager.num_disk_loads,
+                  device_loads=manager.num_device_loads, quantization=quantization or "none")
+    del llm
+    return result
+
+
+def part_sweep(args: argparse.Namespace, reqs: list[dict], quantization: str | None = None) -> list[dict]:
+    rows = []
+    settings = [(MIXED_RANKS if r == "mixed" else (int(r),), a) for r in args.ranks.split(",")
+                for a in map(float, args.alphas.split(","))]
+    if quantization:
+        settings = [((8,), 1.0)]
+    for ranks, alpha in settings:
+        base = None
+        for k in map(int, args.adapters.split(",")):
+            if alpha != 1.0 and k == 1:
+                continue  # alpha changes nothing with one adapter: reuse the alpha-1 run
+            r = sweep_point(args, reqs, k, ranks, alpha, quantization)
+            base = base or next((x for x in rows if x["num_adapters"] == 1 and x["ranks"] == r["ranks"]
+                                 and x["quantization"] == r["quantization"]), r)
+            r["vs_1_adapter"] = r["output_tok_s"] / base["output_tok_s"]
+            rows.append(r)
+            print(f"  K={k:5d} ranks={r['ranks']:5s} alpha={alpha:3.1f} {r['output_tok_s']:7.1f} tok/s "
+                  f"({r['vs_1_adapter']:.3f}x)  TTFT {r['ttft_ms_mean']:8.0f} ms  TPOT {r['tpot_ms_mean']:6.1f} ms  "
+                  f"used {r['distinct_used']} loads {r['disk_loads']}/{r['device_loads']}", flush=True)
+    return rows
+
+
+# ---- merged weights and merge-and-switch ------------------------------------------------------
+
+
+def _base_layer(module: torch.nn.Module) -> torch.nn.Module:
+    return getattr(module, "base", module)
+
+
+def merge_adapter(llm: LLM, model_path: str, adapter_request: LoRARequest, sign: float = 1.0) -> None:
+    """W += sign * scale * B A for every adapted projection, in the engine's own weights."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model_path)
+    model = llm.llm_engine.runner.model
+    adapter = load_peft_adapter(adapter_request, module_dims_for(hf), hf.num_hidden_layers, 64)
+    owners = {"q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1),
+              "v_proj": ("self_attn", "qkv_proj", 2), "o_proj": ("self_attn", "o_proj", 0),
+              "gate_proj": ("mlp", "gate_up_proj", 0), "up_proj": ("mlp", "gate_up_proj", 1),
+              "down_proj": ("mlp", "down_proj", 0)}
+    touched: dict[int, tuple[torch.nn.Module, torch.Tensor]] = {}
+    for (layer, name), w in adapter.weights.items():
+        parent, attr, shard = owners[name]
+        base = _base_layer(getattr(getattr(model.model.layers[layer], parent), attr))
+        if id(base) not in touched:
+            method = base.quant_method
+            dense = method.dense_weight(base) if hasattr(method, "dense_weight") else base.weight.data
+            touched[id(base)] = (base, dense)
+        dense = touched[id(base)][1]
+        start = sum(base.output_sizes[:shard])
+        dense[start:start + base.output_sizes[shard]] += sign * w.scale * (w.lora_b @ w.lora_a)
+    for base, dense in touched.values():
+        if hasattr(base.quant_method, "repack"):
+            base.quant_method.repack(base, dense)
+
+
+def part_merged(args: argparse.Namespace, reqs: list[dict]) -> dict:
+    """Rank 16 on all 7 projections, batched LoRA vs the same adapter merged."""
+    adapter = make_adapters(args.model, 1, (16,), list(TARGETABLE), 1, first_id=9001)[0]
+    llm = make_llm(args, 4, 16)
+    preload(llm, [adapter])
+    lora_runs, merged_runs = [], []
+    for _ in range(args.repeats):
+        lora_runs.append(run_online(llm, reqs, [adapter] * len(reqs), [0.0] * len(reqs)))
+        merge_adapter(llm, args.model, adapter)
+        merged_runs.append(run_online(llm, reqs, [None] * len(reqs), [0.0] * len(reqs)))
+        merge_adapter(llm, args.model, adapter, -1.0)
+    lora = statistics.median(r["output_tok_s"] for r in lora_runs)
+    merged = statistics.median(r["output_tok_s"] for r in merged_runs)
+    out = {"lora_tok_s": lora, "merged_tok_s": merged, "slowdown": 1 - lora / merged,
+           "lora_runs": [r["output_tok_s"] for r in lora_runs], "merged_runs": [r["output_tok_s"] for r in merged_runs]}
+    print(f"  rank 16 x 7 projections: LoRA {lora:.1f} tok/s, merged {merged:.1f} tok/s, "
+          f"LoRA {100 * out['slowdown']:.1f}% slower", flush=True)
+    return out
+
+
+def part_switch(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
+    """All requests queued; request i uses adapter i mod K. Batched vs merge-and-switch."""
+    rows = []
+    for k in (2, 5, 20):
+        adapters = make_adapters(args.model, k, (8,), QKVO, args.distinct_files, first_id=8000 + 100 * k)
+        loras = [adapters[i % k] for i in range(len(reqs))]
+        llm = make_llm(args, max(k, 4), max(k, 16))
+        preload(llm, adapters)
+        batched = run_online(llm, reqs, loras, [0.0] * len(reqs))
+        start = time.monotonic()
+        tokens = 0
+        for j, adapter in enumerate(adapters):
+            mine = [r for i, r in enumerate(reqs) if i % k == j]
+            merge_adapter(llm, args.model, adapter)
+            tokens += run_online(llm, mine, [None] * len(mine), [0.0] * len(mine))["output_tokens"]
+            merge_adapter(llm, args.model, adapter, -1.0)
+        switch_s = time.monotonic() - start
+        row = {"num_adapters": k, "batched_tok_s": batched["output_tok_s"], "switch_tok_s": tokens / switch_s,
+               "speedup": batched["output_tok_s"] / (tokens / switch_s)}
+        rows.append(row)
+        print(f"  {k:2d} adapters: batched {row['batched_tok_s']:.1f} tok/s, merge-and-switch "
+              f"{row['switch_tok_s']:.1f} tok/s, {row['speedup']:.2f}x", flush=True)
+        del llm
+    return rows
+
+
+# ---- cold loads -------------------------------------------------------------------------------
+
+
+def part_coldload(args: argparse.Namespace, reqs: list[dict]) -> dict:
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(args.model)
+    dims = module_dims_for(hf)
+    llm = make_llm(args, 8, 16)
+    manager = llm.llm_engine.lora_manager
+    per_rank = []
+    for rank in MIXED_RANKS:
+        disk, device = [], []
+        for j in range(4):
+            request = LoRARequest(f"cold-{rank}-{j}", 7000 + 10 * rank + j,
+                                  str(adapter_folder(args.model, rank, QKVO, j)))
+            t = time.perf_counter()
+            adapter = load_peft_adapter(request, dims, hf.num_hidden_layers, 64)
+            disk.append(time.perf_counter() - t)
+            manager.register(request, adapter=adapter)
+            t = time.perf_counter()
+            manager.prepare(request.lora_int_id)
+            device.append(time.perf_counter() - t)
+            manager.unregister(request.lora_int_id)
+        per_rank.append({"rank": rank, "disk_to_host_ms": 1000 * statistics.median(disk),
+                         "host_to_device_ms": 1000 * statistics.median(device)})
+        print(f"  rank {rank:2d}: disk->host {per_rank[-1]['disk_to_host_ms']:.1f} ms, host->device "
+              f"{per_rank[-1]['host_to_device_ms']:.2f} ms", flush=True)
+    # Hidden behind decodes: 16 base-model requests decode; meanwhile requests for 16 adapters
+    # that are on disk only arrive. Compare the decoders' TPOT with a run where no load happens.
+    decoders = [dict(r, output_len=256) for r in reqs[:16]]
+    cold = make_adapters(args.model, 16, MIXED_RANKS, QKVO, 4, first_id=7500)
+    late = [dict(r, output_len=16) for r in reqs[16:32]]
+    quiet = run_online(llm, decoders, [None] * 16, [0.0] * 16)
+    mixed_reqs = decoders + late
+    times = [0.0] * 16 + [1.0 + 0.2 * i for i in range(16)]
+    loads_before = manager.num_disk_loads
+    busy = run_online(llm, mixed_reqs, [None] * 16 + cold, times)
+    return {"per_rank": per_rank, "decode_tpot_ms_no_loads": quiet["tpot_ms_mean"],
+            "decode_tpot_ms_with_loads": busy["tpot_ms_mean"], "cold_ttft_ms_mean": busy["ttft_ms_mean"],
+            "disk_loads_during_run": manager.num_disk_loads - loads_before}
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for key, label, name in (("output_tok_s", "output tokens/s", "lora_throughput.png"),
+                             ("ttft_ms_mean", "mean TTFT (ms)", "lora_ttft.png")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            series.setdefault(f"ranks {r['ranks']}, alpha {r['alpha']:g}, {r['quantization']}", []).append(
+                (r["num_adapters"], r[key]))
+        for label_s, pts in series.items():
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label_s)
+        ax.set_xscale("log")
+        ax.set_xlabel("number of adapters")
+        ax.set_ylabel(label)
+        ax.set_title(f"125M Llama, multi-LoRA: {label}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF folder (default: the bench-125m random Llama)")
+    p.add_argument("--parts", default="sweep,merged,switch,coldload,int8")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--rate", type=float, default=4.0, help="Poisson req/s (0: all at once)")
+    p.add_argument("--adapters", default="1,8,64,512,1000,2000")
+    p.add_argument("--ranks", default="8,mixed")
+    p.add_argument("--alphas", default="1,0.3")
+    p.add_argument("--max-loras", type=int, default=96, help="adapters resident in the KV pool at most")
+    p.add_argument("--max-cpu-loras", type=int, default=256)
+    p.add_argument("--distinct-files", type=int, default=8)
+    p.add_argument("--kv-cache-bytes", type=int, default=3 << 30)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="small workload (smoke test)")
+    p.add_argument("--result-json", default=None)
+    p.add_argument("--plot-dir", default=str(ROOT / "docs" / "benchmarks"))
+    args = p.parse_args()
+    from pagedserve.demo_models import get_model_path
+
+    args.model = args.model or str(get_model_path("bench-125m"))
+    if args.quick:
+        args.num_requests, args.repeats = 12, 1
+    from transformers import AutoConfig
+
+    reqs = workload(args.num_requests, AutoConfig.from_pretrained(args.model).vocab_size, args.seed)
+    if args.quick:
+        reqs = [dict(r, output_len=min(r["output_len"], 32)) for r in reqs]
+    parts = args.parts.split(",")
+    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "model": args.model,
+                              "settings": {k: v for k, v in vars(args).items() if k != "quick"}}
+    print(f"{len(reqs)} requests, rate {args.rate} req/s, model {args.model}", flush=True)
+    if "sweep" in parts:
+        print("sweep:", flush=True)
+        report["sweep"] = part_sweep(args, reqs)
+    if "int8" in parts:
+        print("sweep, int8 base:", flush=True)
+        report["sweep_int8"] = part_sweep(args, reqs, "int8")
+    if "merged" in parts:
+        print("merged:", flush=True)
+        report["merged"] = part_merged(args, reqs)
+    if "switch" in parts:
+        print("merge-and-switch:", flush=True)
+        report["switch"] = part_switch(args, reqs)
+    if "coldload" in parts:
+        print("cold loads:", flush=True)
+        report["coldload"] = part_coldload(args, reqs)
+    rows = report.get("sweep", []) + report.get("sweep_int8", [])
+    if rows and not args.quick:
+        report["plots"] = [str(p) for p in plot(rows, Path(args.plot_dir))]
+    if args.result_json:
+        Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.result_json).write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("sweep", "sweep_int8")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
