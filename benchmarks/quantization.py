@@ -436,7 +436,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-tokens", type=int, default=1024)
     p.add_argument("--ppl-tokens", type=int, default=1024)
     p.add_argument("--model", default=None, help="perf model folder (default: bench-125m)")
-    p.add_argument("--num-requests", type=int, default=24)
+    p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--batch-seq-len", type=int, default=1024,
