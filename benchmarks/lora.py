@@ -10,8 +10,8 @@ u_i ~ Power(alpha) (numpy's power distribution, S-LoRA's generator): alpha = 1 i
 alpha = 0.3 puts most requests on a few adapters.
 
 Parts (--parts, comma-separated):
-    sweep     throughput, TTFT, TPOT for K adapters (--adapters), ranks all-8 and mixed
-              {8, 16, 32, 64}, alpha 1 and 0.3; ratio to the 1-adapter run of the same ranks
+    sweep     throughput, TTFT, TPOT for K adapters (--adapters), per --settings (ranks
+              all-8 / mixed {8, 16, 32, 64}, alpha); ratio to the 1-adapter run of the same ranks
     merged    rank 16 on all 7 projections vs the same weights merged into the base, the
               same engine and requests (runs alternate; median of --repeats)
     switch    heterogeneous batching vs merge-and-switch (merge one adapter into the base,
@@ -167,8 +167,12 @@ def summarize(done: dict[str, Any], start: float, end: float) -> dict:
             tpot.append((m.finished_time - m.first_token_time) / (n - 1))
     wall = end - start
     return {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall,
-            "req_s": len(done) / wall, "ttft_ms_mean": 1000 * statistics.mean(ttft),
-            "ttft_ms_p50": 1000 * statistics.median(ttft), "tpot_ms_mean": 1000 * statistics.mean(tpot)}
+            "req_s": len(done) / wall, "ttft_ms_mean": _ms(statistics.mean, ttft),
+            "ttft_ms_p50": _ms(statistics.median, ttft), "tpot_ms_mean": _ms(statistics.mean, tpot)}
+
+
+def _ms(stat: Any, seconds: list[float]) -> float:
+    return 1000 * stat(seconds) if seconds else float("nan")
 
 
 def preload(llm: LLM, adapters: list[LoRARequest]) -> None:
@@ -196,8 +200,10 @@ def sweep_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple
 
 def part_sweep(args: argparse.Namespace, reqs: list[dict], quantization: str | None = None) -> list[dict]:
     rows = []
-    settings = [(MIXED_RANKS if r == "mixed" else (int(r),), a) for r in args.ranks.split(",")
-                for a in map(float, args.alphas.split(","))]
+    settings = []
+    for item in args.settings.split(","):
+        ranks, alpha = item.split(":")
+        settings.append((MIXED_RANKS if ranks == "mixed" else (int(ranks),), float(alpha)))
     if quantization:
         settings = [((8,), 1.0)]
     for ranks, alpha in settings:
@@ -283,6 +289,8 @@ def part_switch(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
         tokens = 0
         for j, adapter in enumerate(adapters):
             mine = [r for i, r in enumerate(reqs) if i % k == j]
+            if not mine:
+                continue
             merge_adapter(llm, args.model, adapter)
             tokens += run_online(llm, mine, [None] * len(mine), [0.0] * len(mine))["output_tokens"]
             merge_adapter(llm, args.model, adapter, -1.0)
@@ -380,8 +388,8 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--rate", type=float, default=4.0, help="Poisson req/s (0: all at once)")
     p.add_argument("--adapters", default="1,8,64,512,1000,2000")
-    p.add_argument("--ranks", default="8,mixed")
-    p.add_argument("--alphas", default="1,0.3")
+    p.add_argument("--settings", default="8:1,mixed:1,mixed:0.3",
+                   help="RANKS:ALPHA pairs; RANKS is one rank or 'mixed' (8/16/32/64)")
     p.add_argument("--max-loras", type=int, default=96, help="adapters resident in the KV pool at most")
     p.add_argument("--max-cpu-loras", type=int, default=256)
     p.add_argument("--distinct-files", type=int, default=8)
