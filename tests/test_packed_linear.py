@@ -1,0 +1,55 @@
+"""The default CPU linear path: oneDNN with weights prepacked at load (quantization/packed.py).
+
+It must be the same arithmetic as F.linear up to float summation order, hold no extra copy
+of the weights, and be switchable off with PAGEDSERVE_CPU_GEMM=torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.models.layers.embedding import LMHead
+from pagedserve.models.layers.linear import LinearBase, ReplicatedLinear
+from pagedserve.models.loader import load_model, weight_bytes
+from pagedserve.quantization.packed import PACKED, onednn_available
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
+def test_packed_layer_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(rows)
+    layer = ReplicatedLinear(96, 80, bias=True)
+    layer.set_quant_method(PACKED)
+    weight, bias = torch.randn(80, 96).to(dtype), torch.randn(80).to(dtype)
+    layer.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    layer.bias = nn.Parameter(bias.clone(), requires_grad=False)
+    PACKED.process_weights_after_loading(layer)
+    assert not hasattr(layer, "weight")
+    assert torch.equal(PACKED.dense_weight(layer), weight)
+    x = torch.randn(rows, 96).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=tol, atol=tol)
+
+
+def test_loader_packs_every_linear_and_the_head_without_growing(model_path, monkeypatch) -> None:
+    path = model_path("llama-gqa")
+    packed, _ = load_model(path, torch.float32, torch.device("cpu"))
+    monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "torch")
+    plain, _ = load_model(path, torch.float32, torch.device("cpu"))
+    layers = [m for m in packed.modules() if isinstance(m, LinearBase | LMHead)]
+    assert layers and all(m.quant_method is PACKED for m in layers)
+    assert all(getattr(m, "quant_method", None) is not PACKED for m in plain.modules())
+    assert weight_bytes(packed) == weight_bytes(plain)
+    hidden = torch.randn(5, plain.config.hidden_size)
+    torch.testing.assert_close(packed.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-4)
+
+
+def test_bad_cpu_gemm_value_is_named(model_path, monkeypatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "mkl")
+    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_GEMM"):
+        load_model(model_path("llama-gqa"), torch.float32, torch.device("cpu"))
