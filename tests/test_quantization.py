@@ -131,7 +131,7 @@ def reference_int4(x: torch.Tensor, dq: torch.Tensor, bias=None) -> torch.Tensor
     return y if bias is None else y + bias
 
 
-@pytest.mark.parametrize("rows", [1, 8, 9, 200])  # kernel path (<= 8 rows) and bf16-GEMM path
+@pytest.mark.parametrize("rows", [1, 16, 17, 200])  # kernel path (<= 16 rows) and bf16-GEMM path
 def test_int8_layer_equals_reference_arithmetic(rows: int) -> None:
     w, bias = _weights(192, 256), torch.randn(192)
     layer = _Linear(w, bias)

@@ -14,12 +14,13 @@ int8 values are exact in bfloat16, the products are summed in float32 and the su
 rounded to bfloat16 once. The scale is applied afterwards in float32, so it is never
 rounded to bfloat16.
 
-  * rows <= kernel_max_rows (8): `aten._weight_int8pack_mm`, which reads the int8 weight
+  * rows <= kernel_max_rows (16): `aten._weight_int8pack_mm`, which reads the int8 weight
     directly (half the bytes of bf16, a quarter of fp32: small batches are memory-bound).
   * more rows (prefill, big batches): the int8 -> bf16 conversion (exact), then oneDNN's
     bf16 GEMM, which is fast on AVX512-BF16 where the int8 kernel's compute is not.
-The crossover (8-16 rows on this AVX512-BF16 CPU) was measured with
-`benchmarks/quantization.py --kernels`.
+The crossover (16-32 rows on this AVX512-BF16 CPU: at 16 rows the kernel runs 768x4096 at
+133 GFLOP/s vs 79 for convert + GEMM; at 32 rows 133 vs 195, timing the layer's `apply`);
+`benchmarks/quantization.py --kernels` compares the kernels.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Int8LinearMethod(LinearMethod):
 
     name = "int8"
 
-    def __init__(self, kernel_max_rows: int = 8) -> None:
+    def __init__(self, kernel_max_rows: int = 16) -> None:
         self.kernel_max_rows = kernel_max_rows
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
