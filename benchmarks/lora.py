@@ -392,6 +392,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label_s)
         ax.set_xscale("log")
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("number of adapters")
         ax.set_ylabel(label)
         ax.set_title(f"125M Llama, multi-LoRA: {label}")
@@ -422,7 +423,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small workload (smoke test)")
     p.add_argument("--result-json", default=None)
     p.add_argument("--plot-dir", default=str(ROOT / "docs" / "benchmarks"))
+    p.add_argument("--plot-from", default=None, help="only redraw the plots from a --result-json file")
     args = p.parse_args()
+    if args.plot_from:
+        saved = json.loads(Path(args.plot_from).read_text())
+        print(plot(saved.get("sweep", []) + saved.get("sweep_int8", []), Path(args.plot_dir)))
+        return
     from pagedserve.demo_models import get_model_path
 
     args.model = args.model or str(get_model_path("bench-125m"))
