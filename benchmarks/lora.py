@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pagedserve import LLM, LoRARequest, SamplingParams  # noqa: E402
+from pagedserve.bench.lora import write_random_adapter  # noqa: E402
 from pagedserve.lora.peft_loader import TARGETABLE, load_peft_adapter, module_dims_for  # noqa: E402
 
 MIXED_RANKS = (8, 16, 32, 64)
@@ -54,35 +55,12 @@ QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def adapter_folder(model: str, rank: int, targets: list[str], index: int) -> Path:
-    """A random PEFT LoRA adapter for `model` (B non-zero), written once and cached."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
-
+    """Random PEFT-format adapter number `index` of this rank and targets, cached."""
     from pagedserve.demo_models import default_cache_dir
 
     tag = f"{Path(model).name}-r{rank}-{'-'.join(t[0] + t[-4] for t in targets)}-{index}"
     folder = default_cache_dir() / "adapters" / "bench-lora" / tag
-    if (folder / "adapter_model.safetensors").is_file():
-        return folder
-    config = AutoConfig.from_pretrained(model)
-    dims = module_dims_for(config)
-    gen = torch.Generator().manual_seed(1000 * rank + index)
-    tensors = {}
-    for layer in range(config.num_hidden_layers):
-        for name in targets:
-            parent = "self_attn" if name in QKVO else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{parent}.{name}"
-            d_in, d_out = dims[name]
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) / d_in**0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * 0.01
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-        "target_modules": targets, "bias": "none", "use_rslora": False, "fan_in_fan_out": False,
-        "base_model_name_or_path": str(model),
-    }))
-    return folder
+    return write_random_adapter(model, folder, rank, targets, 1000 * rank + index)
 
 
 def make_adapters(model: str, k: int, ranks: tuple[int, ...], targets: list[str], distinct: int,
@@ -185,10 +163,10 @@ def _ms(stat: Any, seconds: list[float]) -> float:
     return 1000 * stat(seconds) if seconds else float("nan")
 
 
-def preload(llm: LLM, adapters: list[LoRARequest]) -> None:
+def preload(llm: LLM, adapters: list[LoRARequest], host_capacity: int) -> None:
     """Adapters start in the host cache (S-LoRA keeps them in host memory), up to its size."""
     manager = llm.llm_engine.lora_manager
-    for a in adapters[: manager._host_capacity]:
+    for a in adapters[:host_capacity]:
         manager.register(a, load_now=True)
 
 
@@ -198,7 +176,7 @@ def sweep_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple
     choice = adapter_choice(len(reqs), k, alpha, args.seed)
     used = sorted(set(choice))
     llm = make_llm(args, args.max_loras, args.max_cpu_loras, quantization)
-    preload(llm, [adapters[j] for j in used])
+    preload(llm, [adapters[j] for j in used], args.max_cpu_loras)
     result = run_online(llm, reqs, [adapters[j] for j in choice], arrivals(len(reqs), args.rate, args.seed))
     manager = llm.llm_engine.lora_manager
     result.update(num_adapters=k, ranks="mixed" if len(ranks) > 1 else str(ranks[0]), alpha=alpha,
@@ -235,42 +213,37 @@ def part_sweep(args: argparse.Namespace, reqs: list[dict], quantization: str | N
 # ---- merged weights and merge-and-switch ------------------------------------------------------
 
 
-def _base_layer(module: torch.nn.Module) -> torch.nn.Module:
-    return getattr(module, "base", module)
-
-
 def merge_adapter(llm: LLM, model_path: str, adapter_request: LoRARequest, sign: float = 1.0) -> None:
-    """W += sign * scale * B A for every adapted projection, in the engine's own weights."""
+    """W += sign * scale * B A for every adapted projection, in the engine's own weights.
+
+    The projections are found through the engine's LoRA wrappers (each knows its layer and
+    the column slice of every projection it fuses), so the mapping is the engine's own.
+    """
     from transformers import AutoConfig
 
+    from pagedserve.lora.layers import LoRALinear
+
     hf = AutoConfig.from_pretrained(model_path)
-    model = llm.llm_engine.runner.model
     adapter = load_peft_adapter(adapter_request, module_dims_for(hf), hf.num_hidden_layers, 64)
-    owners = {"q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1),
-              "v_proj": ("self_attn", "qkv_proj", 2), "o_proj": ("self_attn", "o_proj", 0),
-              "gate_proj": ("mlp", "gate_up_proj", 0), "up_proj": ("mlp", "gate_up_proj", 1),
-              "down_proj": ("mlp", "down_proj", 0)}
-    touched: dict[int, tuple[torch.nn.Module, torch.Tensor]] = {}
-    for (layer, name), w in adapter.weights.items():
-        parent, attr, shard = owners[name]
-        base = _base_layer(getattr(getattr(model.model.layers[layer], parent), attr))
-        if id(base) not in touched:
-            method = base.quant_method
-            dense = method.dense_weight(base) if hasattr(method, "dense_weight") else base.weight.data
-            touched[id(base)] = (base, dense)
-        dense = touched[id(base)][1]
-        start = sum(base.output_sizes[:shard])
-        dense[start:start + base.output_sizes[shard]] += sign * w.scale * (w.lora_b @ w.lora_a)
-    for base, dense in touched.values():
-        if hasattr(base.quant_method, "repack"):
-            base.quant_method.repack(base, dense)
+    for wrapper in llm.llm_engine.runner.model.modules():
+        if not isinstance(wrapper, LoRALinear):
+            continue
+        base = wrapper.base
+        delta = None
+        for module, start, end in wrapper.slices:
+            w = adapter.weights.get((wrapper.layer_idx, TARGETABLE[module]))
+            if w is not None:
+                delta = delta if delta is not None else torch.zeros(base.output_size, base.input_size)
+                delta[start:end] += sign * w.scale * (w.lora_b @ w.lora_a)
+        if delta is not None:
+            base.quant_method.add_to_weight(base, delta)
 
 
 def part_merged(args: argparse.Namespace, reqs: list[dict]) -> dict:
     """Rank 16 on all 7 projections, batched LoRA vs the same adapter merged."""
     adapter = make_adapters(args.model, 1, (16,), list(TARGETABLE), 1, first_id=9001)[0]
     llm = make_llm(args, 4, 16)
-    preload(llm, [adapter])
+    preload(llm, [adapter], 1)
     lora_runs, merged_runs = [], []
     for _ in range(args.repeats):
         lora_runs.append(run_online(llm, reqs, [adapter] * len(reqs), [0.0] * len(reqs)))
@@ -293,7 +266,7 @@ def part_switch(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
         adapters = make_adapters(args.model, k, (8,), QKVO, args.distinct_files, first_id=8000 + 100 * k)
         loras = [adapters[i % k] for i in range(len(reqs))]
         llm = make_llm(args, max(k, 4), max(k, 16))
-        preload(llm, adapters)
+        preload(llm, adapters, len(adapters))
         batched = run_online(llm, reqs, loras, [0.0] * len(reqs))
         start = time.monotonic()
         tokens = 0

@@ -98,7 +98,9 @@ def measure_machine() -> dict:
     # The peak is the best GEMM this torch has: MKL's (torch.mm) and oneDNN's with a
     # prepacked weight (what the engine uses); the engine must not beat its own roofline.
     gemms = [lambda: torch.mm(a, b)]
-    if torch.backends.mkldnn.is_available():
+    from pagedserve.quantization.packed import onednn_available
+
+    if onednn_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
         gemms.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
     best = float("inf")

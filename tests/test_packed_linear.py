@@ -30,10 +30,14 @@ def test_packed_layer_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
     layer.bias = nn.Parameter(bias.clone(), requires_grad=False)
     PACKED.process_weights_after_loading(layer)
     assert not hasattr(layer, "weight")
-    assert torch.equal(PACKED.dense_weight(layer), weight)
+    assert torch.equal(layer.packed_weight.to_dense(), weight)
     x = torch.randn(rows, 96).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=tol, atol=tol)
+    # Merging a delta (an adapter) repacks W + delta.
+    delta = torch.randn(80, 96).to(dtype)
+    PACKED.add_to_weight(layer, delta)
+    torch.testing.assert_close(layer(x), F.linear(x, weight + delta, bias), rtol=tol, atol=tol)
 
 
 def test_loader_packs_every_linear_and_the_head_without_growing(model_path, monkeypatch) -> None:

@@ -1,7 +1,7 @@
 """`pagedserve bench lora`: many LoRA adapters served at once (S-LoRA style): throughput and
 latency as the same requests spread over more distinct adapters.
 
-K adapters (rank --rank on --targets, random weights made with peft and cached on disk);
+K adapters (rank --rank on --targets, random weights in PEFT's format, cached on disk);
 request i uses adapter i % K, and K = 0 is the base model with LoRA off. At most
 --max-loras adapters are resident in the KV memory pool at once, so K above it makes the
 engine evict and reload adapters. Per K: a calibration run with every request queued at
@@ -55,12 +55,6 @@ def run(args: argparse.Namespace) -> int:
     if not llm_accepts("enable_lora"):
         print("pagedserve bench lora: not available yet: needs LoRA serving (LLM(enable_lora=...))", file=sys.stderr)
         return 2
-    try:
-        import peft  # noqa: F401  (builds the benchmark's adapters)
-    except ImportError:
-        print("pagedserve bench lora: not available yet: needs peft to build adapters (pip install peft)",
-              file=sys.stderr)
-        return 2
     if args.quick:
         args.num_requests, args.num_adapters, args.max_loras = min(args.num_requests, 24), "0,2,4", 2
     model = resolve_model_path(args.model)
@@ -110,45 +104,61 @@ def _run_k(model: str, requests: list, k: int, args: argparse.Namespace, base_ca
 
 
 def build_adapters(model_path: str, k: int, rank: int, targets: list[str], seed: int) -> list[Any]:
-    """K PEFT LoRA adapters of the model (random weights), cached under the demo-model cache."""
+    """K random LoRA adapters of the model, cached under the demo-model cache."""
     from pagedserve.demo_models import default_cache_dir
     from pagedserve.lora.request import LoRARequest
 
     root = default_cache_dir() / "adapters"
     adapters = []
     for i in range(k):
-        key = json.dumps([str(Path(model_path).resolve()), rank, targets, seed + i, 1])
+        key = json.dumps([str(Path(model_path).resolve()), rank, targets, seed + i, 2])
         folder = root / f"bench-r{rank}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-        if not (folder / "adapter_config.json").is_file():
-            _build_adapter(model_path, folder, rank, targets, seed + i)
-        adapters.append(LoRARequest(f"bench-{i}", i + 1, str(folder)))
+        adapters.append(LoRARequest(f"bench-{i}", i + 1, str(write_random_adapter(model_path, folder, rank,
+                                                                                  targets, seed + i))))
     return adapters
 
 
-def _build_adapter(model_path: str, folder: Path, rank: int, targets: list[str], seed: int) -> None:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+def write_random_adapter(model_path: str, folder: Path, rank: int, targets: list[str], seed: int) -> Path:
+    """A random LoRA adapter in PEFT's file layout for a Llama-style model; returns `folder`.
 
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0,
-                        init_lora_weights=False)
-    peft_model = get_peft_model(base, config)
-    with torch.no_grad():  # B is zero-free so the adapter does change the outputs
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(0.01 * torch.randn_like(param))
+    A ~ N(0, 1/in), B ~ N(0, 0.01^2) (non-zero, so the adapter changes the outputs),
+    lora_alpha = 2r. Written directly, without building the model (milliseconds per adapter,
+    so thousands are cheap); reused if the folder exists; written atomically (rename).
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from pagedserve.lora.peft_loader import PARENT_MODULE, module_dims_for
+
+    if (folder / "adapter_config.json").is_file():
+        return folder
+    config = AutoConfig.from_pretrained(model_path)
+    dims = module_dims_for(config)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for name in targets:
+            key = f"base_model.model.model.layers.{layer}.{PARENT_MODULE[name]}.{name}"
+            d_in, d_out = dims[name]
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) / d_in**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * 0.01
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=folder.parent))
     try:
-        peft_model.save_pretrained(str(tmp))
+        save_file(tensors, str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+            "target_modules": targets, "bias": "none", "use_rslora": False, "fan_in_fan_out": False,
+            "base_model_name_or_path": str(model_path),
+        }))
         try:
             os.rename(tmp, folder)
-        except OSError:  # another process built it meanwhile: keep theirs
+        except OSError:  # another process wrote it meanwhile: keep theirs
             pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 def markdown(data: dict[str, Any]) -> str:

@@ -32,7 +32,7 @@ import torch
 from pagedserve.lora.request import LoRARequest
 
 TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+PARENT_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _EMBEDDINGS = ("embed_tokens", "lm_head")
 _CONFIG = "adapter_config.json"
@@ -250,7 +250,7 @@ def _locate(
     if name in _EMBEDDINGS:
         raise fail(f"embedding / lm_head LoRA is not supported ({key})")
     match = _MODULE_RE.match(key)
-    if match is None or name not in TARGETABLE or _PARENT[name] != match["parent"]:
+    if match is None or name not in TARGETABLE or PARENT_MODULE[name] != match["parent"]:
         raise fail(f"unsupported LoRA target {key!r} (targetable: {', '.join(TARGETABLE)})")
     if name not in module_dims:
         raise fail(f"{key}: the model has no {name} projection")

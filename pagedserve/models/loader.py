@@ -126,8 +126,10 @@ def attach_packed_methods(model: nn.Module, device: torch.device) -> None:
     oneDNN, or the dtype is not packable (float16 stays on F.linear).
     """
     choice = envs.cpu_gemm()
-    if device.type != "cpu" or choice == "torch" or not onednn_available():
-        if choice == "onednn" and device.type == "cpu":
+    if device.type != "cpu" or choice == "torch":
+        return
+    if not onednn_available():
+        if choice == "onednn":
             raise ValueError("PAGEDSERVE_CPU_GEMM=onednn, but this torch build has no oneDNN")
         return
     for module in model.modules():

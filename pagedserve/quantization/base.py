@@ -57,6 +57,13 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x (..., input_size) -> x W^T + b (..., output_size) in x.dtype."""
 
+    def add_to_weight(self, layer: nn.Module, delta: torch.Tensor) -> None:
+        """W += delta (output_size, input_size), e.g. to merge a LoRA adapter into the base.
+
+        Quantized methods cannot hold W + delta exactly and refuse.
+        """
+        raise NotImplementedError(f"{self.name} weights cannot be changed in place")
+
     def weight_bytes(self, layer: nn.Module) -> int:
         """Bytes this method keeps resident for `layer` (weights, scales; not the bias)."""
         return sum(t.numel() * t.element_size() for t in self.weight_tensors(layer))
@@ -70,6 +77,9 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, getattr(layer, "bias", None))
+
+    def add_to_weight(self, layer: nn.Module, delta: torch.Tensor) -> None:
+        layer.weight.data += delta.to(layer.weight.dtype)
 
 
 UNQUANTIZED = UnquantizedLinearMethod()

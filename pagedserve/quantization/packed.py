@@ -61,13 +61,10 @@ class PackedLinearMethod(LinearMethod):
     def weight_bytes(self, layer: nn.Module) -> int:
         return layer.packed_weight.numel() * layer.packed_weight.element_size()
 
-    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
-        """W (out, in) as an ordinary tensor (a copy): for merging adapters, checks."""
-        return layer.packed_weight.to_dense()
-
-    def repack(self, layer: nn.Module, dense: torch.Tensor) -> None:
-        """Replace W with `dense` (out, in), e.g. an adapter merged into it."""
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense.contiguous(), _EXPECTED_ROWS)
+    def add_to_weight(self, layer: nn.Module, delta: torch.Tensor) -> None:
+        dense = layer.packed_weight.to_dense()
+        dense += delta.to(dense.dtype)
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense, _EXPECTED_ROWS)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(
