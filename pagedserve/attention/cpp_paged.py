@@ -22,25 +22,22 @@ built for another CPU.
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import logging
 import pathlib
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from pagedserve import envs
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
 from pagedserve.attention.metadata import CommonAttentionMetadata
+from pagedserve.cpp_build import CFLAGS, load_cpp_ops
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "paged_attention_cpu.cpp"
 # torch adds its own -std (C++20 for torch 2.13); the source itself is plain C++17.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 _TILE_KEYS = 32  # keys per kernel tile (KT in the C++): decode parts are multiples of it
 
@@ -53,18 +50,6 @@ def _cost(query_tokens: int, keys: int) -> int:
 
 class CppExtensionError(RuntimeError):
     """The C++ paged-attention extension could not be built or loaded."""
-
-
-def _machine_signature() -> str:
-    """CPU flags and torch version: what a -march=native build of the extension depends on."""
-    try:
-        cpuinfo = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-        flags = next(line for line in cpuinfo if line.startswith("flags"))
-    except (OSError, StopIteration):
-        import platform
-
-        flags = platform.processor() or platform.machine()
-    return f"{flags}|torch {torch.__version__}"
 
 
 def load_extension() -> Any:
@@ -95,41 +80,11 @@ def build_extension(extra_cflags: tuple[str, ...] = (), namespace: str = "pageds
     `namespace`, which the source takes as the macro PAGED_OPS_NAMESPACE: tests and A/B
     benchmarks then load several builds into one process.
     """
-    from torch.utils import cpp_extension
-
-    if not _SOURCE.is_file():
-        raise CppExtensionError(f"C++ source not found at {_SOURCE} (not a source checkout?)")
-    flags = [*_CFLAGS, *extra_cflags, f"-DPAGED_OPS_NAMESPACE={namespace}"]
-    tag = hashlib.sha1(f"{_machine_signature()}|{' '.join(flags)}".encode()).hexdigest()[:10]
-    name = f"pagedserve_paged_attention_{tag}"
-    build_dir = envs.torch_extensions_dir() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    if not (build_dir / f"{name}.so").exists():
-        logger.info("compiling the C++ paged-attention kernel (first use here, 10-30 s)")
-    start = time.perf_counter()
-    try:
-        cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
-    except (RuntimeError, OSError, ImportError) as exc:  # no compiler / ninja, compile error
-        raise CppExtensionError(
-            f"building the C++ paged-attention kernel failed ({type(exc).__name__}: {exc}). "
-            "It needs a C++17 compiler with OpenMP and ninja (pip install ninja); "
-            f"build dir {build_dir}"
-        ) from exc
+    flags = [*CFLAGS, *extra_cflags, f"-DPAGED_OPS_NAMESPACE={namespace}"]
+    seconds = load_cpp_ops("pagedserve_paged_attention", _SOURCE, flags, "paged-attention kernel",
+                           CppExtensionError)
     ops = getattr(torch.ops, namespace)
-    logger.info(
-        "C++ paged attention ready (%s, %.1f s, %s)",
-        ops.isa(),
-        time.perf_counter() - start,
-        build_dir,
-    )
+    logger.info("C++ paged attention ready (%s, %.1f s)", ops.isa(), seconds)
     return ops
 
 

@@ -31,20 +31,17 @@ uses `lora_apply_reference`. Results do not depend on the thread count.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import pathlib
-import time
 from typing import Any
 
 import torch
 
-from pagedserve import envs
+from pagedserve.cpp_build import CFLAGS, load_cpp_ops
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "lora_sgmv_cpu.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # Output columns per panel of a packed B (PANEL in csrc/lora_sgmv_cpu.cpp).
 PANEL = 16
@@ -60,18 +57,6 @@ class LoRAExtensionError(RuntimeError):
     """The C++ LoRA extension could not be built or loaded."""
 
 
-def _cpu_tag() -> str:
-    """Short hash of the CPU flags and torch version (the build uses -march=native)."""
-    try:
-        flags = next(
-            line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        flags = "unknown"
-    return hashlib.sha1(f"{flags}|{torch.__version__}".encode()).hexdigest()[:10]
-
-
 @functools.lru_cache(maxsize=1)
 def load_extension() -> Any:
     """Build (first call: ~20 s) or load the cached extension; returns its op namespace.
@@ -79,31 +64,9 @@ def load_extension() -> Any:
     Raises:
         LoRAExtensionError: no source, no compiler / ninja, or the build failed.
     """
-    from torch.utils import cpp_extension
-
-    if not _SOURCE.is_file():
-        raise LoRAExtensionError(f"C++ source not found at {_SOURCE} (not a source checkout?)")
-    name = f"pagedserve_lora_sgmv_{_cpu_tag()}"
-    build_dir = envs.torch_extensions_dir() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    try:
-        cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
-    except (RuntimeError, OSError, ImportError) as exc:  # compiler / ninja / link errors
-        raise LoRAExtensionError(
-            f"building the C++ LoRA kernel failed ({type(exc).__name__}: {exc}). It needs a "
-            f"C++17 compiler with OpenMP and ninja; build dir {build_dir}"
-        ) from exc
+    seconds = load_cpp_ops("pagedserve_lora_sgmv", _SOURCE, CFLAGS, "LoRA kernel", LoRAExtensionError)
     ops = torch.ops.pagedserve_lora
-    logger.info("C++ LoRA SGMV ready (%s, %.1f s)", ops.isa(), time.perf_counter() - start)
+    logger.info("C++ LoRA SGMV ready (%s, %.1f s)", ops.isa(), seconds)
     return ops
 
 
