@@ -82,10 +82,12 @@ def test_corrupt_adapter_refused_while_others_complete(setup):
     import concurrent.futures
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        busy = [pool.submit(client.completions.create, model="sql", prompt="hello", max_tokens=20) for _ in range(3)]
+        # ignore_eos: an unseeded sample may draw EOS early; the point is that all 20 tokens arrive.
+        busy = [pool.submit(client.completions.create, model="sql", prompt="hello", max_tokens=20,
+                            extra_body={"ignore_eos": True}) for _ in range(3)]
         r = httpx.post(f"{server.v1}/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(broken)})
         assert r.status_code == 400 and "broken" in r.json()["error"]["message"]
-        assert all(len(f.result().choices[0].text) >= 0 and f.result().usage.completion_tokens == 20 for f in busy)
+        assert all(f.result().usage.completion_tokens == 20 for f in busy)
     server.wait_idle()
     server.ctx.engine.call_in_engine_thread(lambda e: e.assert_no_leaks())
 
