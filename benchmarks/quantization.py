@@ -71,33 +71,42 @@ def _kernel_candidates(k: int, n: int) -> tuple[dict, dict]:
 
     from pagedserve.quantization.int4 import Int4LinearMethod
     from pagedserve.quantization.int8 import Int8LinearMethod
+    from pagedserve.quantization.packed import PACKED, onednn_available
 
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) / math.sqrt(k)
-    layers = {}
-    for name, method in (("int8", Int8LinearMethod()), ("int4", Int4LinearMethod(128))):
+
+    def layer_for(method, weight=w):
         layer = nn.Module()
         layer.input_size, layer.output_size, layer.bias = k, n, None
-        layer.weight = nn.Parameter(w.clone(), requires_grad=False)
+        layer.weight = nn.Parameter(weight.clone(), requires_grad=False)
         method.process_weights_after_loading(layer)
-        layers[name] = (layer, method)
-    l8, m8 = layers["int8"]
-    l4, m4 = layers["int4"]
-    w_bf16, ones_f32 = w.bfloat16(), torch.ones(n)
-    always, never = Int8LinearMethod(1 << 30), Int8LinearMethod(0)
+        return layer
+
+    fns = {"fp32 F.linear (MKL)": lambda x: F.linear(x, w)}
+    if onednn_available():
+        fp32_packed, bf16_packed = layer_for(PACKED), layer_for(PACKED, w.bfloat16())
+        fns["fp32 oneDNN prepacked"] = lambda x: PACKED.apply(fp32_packed, x)
+        fns["bf16 oneDNN prepacked"] = lambda x: PACKED.apply(bf16_packed, x.bfloat16()).float()
+    m8 = Int8LinearMethod()
+    l8 = layer_for(m8)
+    t8 = layer_for(Int8LinearMethod(kernel="torch"))
+    always, never = Int8LinearMethod(1 << 30, "torch"), Int8LinearMethod(0, "torch")
+    l4 = layer_for(Int4LinearMethod(128))
     always4, never4 = Int4LinearMethod(128, 1 << 30), Int4LinearMethod(128, 0)
-    return {
-        "fp32 F.linear": lambda x: F.linear(x, w),
-        "bf16 F.linear (bf16 weights)": lambda x: F.linear(x.bfloat16(), w_bf16).float(),
-        "int8 kernel, fp32 x": lambda x: torch.ops.aten._weight_int8pack_mm(x, l8.qweight, ones_f32)
-        * l8.weight_scale,
-        "int8 kernel, bf16 x": lambda x: always.apply(l8, x),
-        "int8 -> bf16 GEMM": lambda x: never.apply(l8, x),
-        "int8 chosen": lambda x: m8.apply(l8, x),
+    ones_f32 = torch.ones(n)
+    fns.update({
+        "int8 torch kernel, fp32 x": lambda x: torch.ops.aten._weight_int8pack_mm(x, t8.qweight, ones_f32)
+        * t8.weight_scale,
+        "int8 torch kernel, bf16 x": lambda x: always.apply(t8, x),
+        "int8 -> bf16 GEMM": lambda x: never.apply(t8, x),
+        # The engine's int8: the C++ AVX512-BF16 kernel where it runs, else the torch paths.
+        "int8 engine": lambda x: m8.apply(l8, x),
         "int4 kernel, bf16 x": lambda x: always4.apply(l4, x),
         "int4 -> bf16 GEMM": lambda x: never4.apply(l4, x),
-        "int4 chosen": lambda x: m4.apply(l4, x),
-        "w8a8 torch._int_mm (dynamic act., ref.)": lambda x: _w8a8(x, l8),
-    }, {"w": w}
+        "int4 engine": lambda x: Int4LinearMethod(128).apply(l4, x),
+        "w8a8 torch._int_mm (dynamic act., ref.)": lambda x: _w8a8(x, t8),
+    })
+    return fns, {"w": w}
 
 
 def _w8a8(x, layer):

@@ -37,6 +37,7 @@ from pagedserve.quantization.int4 import (
     quantize_int4,
 )
 from pagedserve.quantization.int8 import Int8LinearMethod, dequantize_int8, quantize_int8
+from pagedserve.quantization.int8 import cpp_ops as int8_cpp_ops
 from pagedserve.quantization.kv_int8 import dequantize_kv, fake_quantize_kv, quantize_kv
 from pagedserve.worker import model_runner
 from pagedserve.worker.kv_cache import KVCacheSpec
@@ -131,16 +132,20 @@ def reference_int4(x: torch.Tensor, dq: torch.Tensor, bias=None) -> torch.Tensor
     return y if bias is None else y + bias
 
 
-@pytest.mark.parametrize("rows", [1, 16, 17, 200])  # kernel path (<= 16 rows) and bf16-GEMM path
-def test_int8_layer_equals_reference_arithmetic(rows: int) -> None:
+@pytest.mark.parametrize("kernel", ["auto", "torch"])  # C++ (AVX512-BF16 CPUs), torch's ops
+@pytest.mark.parametrize("rows", [1, 16, 17, 200])  # torch: int8 kernel (<= 16 rows), bf16 GEMM
+def test_int8_layer_equals_reference_arithmetic(rows: int, kernel: str) -> None:
     w, bias = _weights(192, 256), torch.randn(192)
     layer = _Linear(w, bias)
-    method = Int8LinearMethod()
+    method = Int8LinearMethod(kernel=kernel)
     method.process_weights_after_loading(layer)
     assert not hasattr(layer, "weight")  # the full-precision weight is gone
+    assert hasattr(layer, "qweight_packed") == (kernel == "auto" and int8_cpp_ops() is not None)
+    q, scale = quantize_int8(w)
+    assert torch.equal(method.int_weight(layer), q) and torch.equal(layer.weight_scale, scale)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
     got = method.apply(layer, x)
-    want = reference_int8(x, layer.qweight, layer.weight_scale, bias)
+    want = reference_int8(x, q, scale, bias)
     assert got.dtype == torch.float32
     # Same products and sums; only the float32 summation order differs, which can flip the
     # bf16 rounding of a sum by one unit.
@@ -194,6 +199,8 @@ def test_load_quantizes_every_linear_and_shrinks_weights(model_path, method: str
     names = [m.quant_method.name for m in layers]
     if method == "int8":
         assert set(names) == {"int8"}
+        # Where the C++ kernel runs, every layer takes it (all shapes here are multiples of 16).
+        assert all(hasattr(m, "qweight_packed") == (int8_cpp_ops() is not None) for m in layers)
     else:  # down_proj (in 688) falls back to int8, the rest is int4
         assert names.count("int4") == 3 * len(layers) // 4 and names.count("int8") == len(layers) // 4
     assert all(not hasattr(m, "weight") for m in layers)

@@ -1,37 +1,68 @@
 """Weight-only int8: symmetric, one float32 scale per output channel.
 
-    W (out, in) float  ->  qweight (out, in) int8 in [-127, 127],  scale (out,) float32
-    W ~= qweight * scale[:, None]
+    W (out, in) float  ->  q (out, in) int8 in [-127, 127],  scale (out,) float32
+    W ~= q * scale[:, None]
 
-Arithmetic of `apply` (both paths compute the same quantity, so the batch size never
-changes the numerics beyond float summation order):
+Arithmetic of `apply`, the same on every path, so the batch size never changes the numerics
+beyond float summation order:
 
-    y = float(bf16( bf16(x) @ qweight^T )) * scale  (+ bias)
+    y = float(bf16( bf16(x) @ q^T )) * scale  (+ bias)
 
-The activations go to bfloat16 because that is the dtype of torch's fast CPU kernels
-(`_weight_int8pack_mm` with float32 activations is a slow reference loop, ~10x slower);
-int8 values are exact in bfloat16, the products are summed in float32 and the sum is
-rounded to bfloat16 once. The scale is applied afterwards in float32, so it is never
-rounded to bfloat16.
+The activations go to bfloat16 because bf16 pairs are what the fast CPU instructions
+multiply; int8 values are exact in bfloat16, the products are summed in float32 and the sum
+is rounded to bfloat16 once. The scale is applied afterwards in float32.
 
-  * rows <= kernel_max_rows (16): `aten._weight_int8pack_mm`, which reads the int8 weight
-    directly (half the bytes of bf16, a quarter of fp32: small batches are memory-bound).
-  * more rows (prefill, big batches): the int8 -> bf16 conversion (exact), then oneDNN's
-    bf16 GEMM, which is fast on AVX512-BF16 where the int8 kernel's compute is not.
-The crossover (16-32 rows on this AVX512-BF16 CPU: at 16 rows the kernel runs 768x4096 at
-133 GFLOP/s vs 79 for convert + GEMM; at 32 rows 133 vs 195, timing the layer's `apply`);
-`benchmarks/quantization.py --kernels` compares the kernels.
+Paths (the first that applies):
+  * "cpp": csrc/int8_linear_cpu.cpp on CPUs with AVX512-BF16, when out % 16 == 0 and
+    in % 2 == 0. The weight is stored tiled for `vdpbf16ps` (`qweight_packed`, same bytes as
+    q); each block of rows converts it int8 -> bf16 once in cache. On this 2-core Zen 4 it
+    runs 768x4096 at 64 / 346 / 412 GFLOP/s for 1 / 16 / 64 rows, where oneDNN's prepacked
+    fp32 GEMM gives ~25 / 185 / 202: memory-bound decode reads a quarter of the fp32 bytes,
+    and compute-bound prefill does two multiply-adds per lane per instruction.
+  * "torch" (no such CPU, odd shapes, other devices): rows <= kernel_max_rows (16) go to
+    `aten._weight_int8pack_mm`, more rows to the exact int8 -> bf16 conversion and a bf16
+    GEMM (at 16 rows the former ran 133 GFLOP/s vs 79, at 32 rows 133 vs 195).
+`benchmarks/quantization.py --kernels` compares all of them.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
+import pathlib
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.cpp_build import CFLAGS, load_cpp_ops
 from pagedserve.quantization.base import LinearMethod, add_bias
 
+logger = logging.getLogger(__name__)
+
 COMPUTE_DTYPE = torch.bfloat16
+TILE = 16  # output channels per tile of `qweight_packed` (kTile in the C++ source)
+_SOURCE = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "int8_linear_cpu.cpp"
+
+
+class Int8KernelError(RuntimeError):
+    pass
+
+
+@functools.lru_cache(maxsize=1)
+def cpp_ops() -> Any:
+    """The C++ int8 ops, or None when they cannot run here (no compiler, no AVX512-BF16)."""
+    try:
+        load_cpp_ops("pagedserve_int8", _SOURCE, CFLAGS, "int8 linear kernel", Int8KernelError)
+    except Int8KernelError as exc:
+        logger.warning("int8: using torch's kernels: %s", exc)
+        return None
+    ops = torch.ops.pagedserve_int8
+    if not ops.available():
+        logger.info("int8: this CPU has no AVX512-BF16; using torch's kernels")
+        return None
+    return ops
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,25 +79,59 @@ def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return qweight.float() * scale[:, None]
 
 
+def pack_for_cpp(q: torch.Tensor) -> torch.Tensor:
+    """(out, in) int8 -> (out/16, in/2, 16, 2): tiles of 16 channels, k-pair by k-pair."""
+    out_features, in_features = q.shape
+    return q.view(out_features // TILE, TILE, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_from_cpp(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_for_cpp`."""
+    tiles, pairs = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(tiles * TILE, pairs * 2)
+
+
 class Int8LinearMethod(LinearMethod):
     """Per-output-channel int8 weights, quantized at load time; see the module docstring.
 
+    Args:
+        kernel_max_rows: "torch" path only: most rows sent to `_weight_int8pack_mm`.
+        kernel: "auto" (the C++ kernel where it runs), or force "torch".
+
     Layer tensors after `process_weights_after_loading`:
-        qweight      (out, in) int8
-        weight_scale (out,)    float32
+        qweight_packed  (out/16, in/2, 16, 2) int8   ("cpp" path), or
+        qweight         (out, in) int8 + _kernel_ones ("torch" path)
+        weight_scale    (out,) float32
     """
 
     name = "int8"
 
-    def __init__(self, kernel_max_rows: int = 16) -> None:
+    def __init__(self, kernel_max_rows: int = 16, kernel: Literal["auto", "torch"] = "auto") -> None:
+        if kernel not in ("auto", "torch"):
+            raise ValueError(f"kernel must be 'auto' or 'torch', got {kernel!r}")
         self.kernel_max_rows = kernel_max_rows
+        self.kernel = kernel
+
+    def _uses_cpp(self, weight: torch.Tensor) -> bool:
+        out_features, in_features = weight.shape
+        return (
+            self.kernel == "auto"
+            and weight.device.type == "cpu"
+            and out_features % TILE == 0
+            and in_features % 2 == 0
+            and cpp_ops() is not None
+        )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         qweight, scale = quantize_int8(layer.weight)
+        use_cpp = self._uses_cpp(layer.weight)
         del layer.weight
-        layer.register_buffer("qweight", qweight)
         layer.register_buffer("weight_scale", scale)
-        # The kernel multiplies by a per-channel scale in the activation dtype; ones keep
+        if use_cpp:
+            layer.register_buffer("qweight_packed", pack_for_cpp(qweight))
+            return
+        layer.register_buffer("qweight", qweight)
+        # torch's kernel multiplies by a per-channel scale in the activation dtype; ones keep
         # its output the raw integer dot product, scaled afterwards in float32.
         layer.register_buffer(
             "_kernel_ones",
@@ -75,18 +140,33 @@ class Int8LinearMethod(LinearMethod):
         )
 
     def weight_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
+        if hasattr(layer, "qweight_packed"):
+            return [layer.qweight_packed, layer.weight_scale]
         return [layer.qweight, layer.weight_scale, layer._kernel_ones]
 
+    def int_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The (out, in) int8 weight, whichever layout the layer keeps (a copy if packed)."""
+        if hasattr(layer, "qweight_packed"):
+            return unpack_from_cpp(layer.qweight_packed)
+        return layer.qweight
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        qweight = layer.qweight
         x2 = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE).contiguous()
-        if x2.shape[0] <= self.kernel_max_rows and x2.device.type == "cpu":
-            acc = torch.ops.aten._weight_int8pack_mm(x2, qweight, layer._kernel_ones)
+        if hasattr(layer, "qweight_packed"):
+            bias = getattr(layer, "bias", None)
+            y = cpp_ops().int8_linear(x2, layer.qweight_packed, layer.weight_scale,
+                                      None if bias is None else bias.float())
         else:
-            # int8 -> bf16 is exact; converted in ~4 MiB chunks of output rows (cache-sized,
-            # recycled by the allocator rather than page-faulted on every call).
-            step = max(1, (1 << 21) // qweight.shape[1])
-            parts = [F.linear(x2, w.to(COMPUTE_DTYPE)) for w in qweight.split(step)]
-            acc = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        y = add_bias(acc * layer.weight_scale, layer)  # float32
-        return y.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
+            y = add_bias(self._torch_acc(layer, x2) * layer.weight_scale, layer)
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def _torch_acc(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+        """bf16(x2 @ q^T) with torch's ops."""
+        qweight = layer.qweight
+        if x2.shape[0] <= self.kernel_max_rows and x2.device.type == "cpu":
+            return torch.ops.aten._weight_int8pack_mm(x2, qweight, layer._kernel_ones)
+        # int8 -> bf16 is exact; converted in ~4 MiB chunks of output rows (cache-sized,
+        # recycled by the allocator rather than page-faulted on every call).
+        step = max(1, (1 << 21) // qweight.shape[1])
+        parts = [F.linear(x2, w.to(COMPUTE_DTYPE)) for w in qweight.split(step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
