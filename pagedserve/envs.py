@@ -7,6 +7,9 @@ with `monkeypatch.setenv` after import.
     PAGEDSERVE_CPU_GEMM            "onednn" | "torch" | unset (auto: onednn when torch has it)
                                    how unquantized CPU linear layers multiply (see
                                    quantization/packed.py)
+    PAGEDSERVE_FUSED_OPS           "cpp" | "torch" | unset (auto: cpp on CPU when it builds)
+                                   RMSNorm, SiLU*mul and rotary as single C++ passes (see
+                                   models/layers/fused_ops.py)
     TORCH_EXTENSIONS_DIR           build cache for C++ extensions (torch's own variable);
                                    unset: ~/.cache/pagedserve/torch_extensions
 """
@@ -49,6 +52,22 @@ def cpu_gemm() -> CpuGemmName | None:
     raise ValueError(
         f"PAGEDSERVE_CPU_GEMM must be one of {', '.join(_CPU_GEMMS)} (or unset / auto); "
         f"got {value!r}"
+    )
+
+
+FusedOpsName = Literal["cpp", "torch"]
+_FUSED_OPS: tuple[FusedOpsName, ...] = ("cpp", "torch")
+
+
+def fused_ops() -> FusedOpsName | None:
+    """The forced implementation of the fused elementwise ops, or None for automatic."""
+    value = os.environ.get("PAGEDSERVE_FUSED_OPS", "").strip().lower()
+    if not value or value == "auto":
+        return None
+    if value in _FUSED_OPS:
+        return value  # type: ignore[return-value]
+    raise ValueError(
+        f"PAGEDSERVE_FUSED_OPS must be one of {', '.join(_FUSED_OPS)} (or unset / auto); got {value!r}"
     )
 
 

@@ -262,11 +262,15 @@ def _greedy(model: nn.Module, prompt: list[int], n: int) -> tuple[list[int], lis
     return out, logprobs[pos, torch.tensor(out)].tolist()
 
 
-def test_int8_engine_equals_reference_arithmetic(model_path) -> None:
+def test_int8_engine_equals_reference_arithmetic(model_path, monkeypatch) -> None:
     """Greedy tokens of the quantized engine == transformers running the reference int8
     arithmetic in every linear layer: the test checks our kernels and loading, not just
-    closeness to fp32. Prompts of mixed lengths run batched (prefill rows take the bf16-GEMM
-    path, decode rows the int8 kernel)."""
+    closeness to fp32. Prompts of mixed lengths run batched (prefill and decode rows).
+
+    The elementwise ops run as torch's (transformers') own here: bf16 activations turn a
+    last-bit difference of a fused RMSNorm into a bf16 rounding flip, and this random model
+    has near-tied logits. Those ops are checked against torch in test_fused_ops.py."""
+    monkeypatch.setenv("PAGEDSERVE_FUSED_OPS", "torch")
     path = model_path("llama-gqa")  # fused q/k/v and gate/up: shards quantized per row
     prompts = make_prompts(AutoConfig.from_pretrained(path).vocab_size, [1, 5, 17, 33, 64, 100])
     reference = _int8_reference_model(path)

@@ -8,11 +8,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.models.layers.fused_ops import cpu_ops
+
 
 class SiluAndMul(nn.Module):
     """SwiGLU: x = [gate | up] (last dim 2 * I) -> silu(gate) * up, (..., I)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cpu_ops(x) if x.dim() == 2 else None
+        if ops is not None and x.stride(1) == 1:
+            return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

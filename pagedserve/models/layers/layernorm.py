@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.models.layers.fused_ops import cpu_ops
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 like Hugging Face's LlamaRMSNorm.
@@ -29,6 +31,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ops = cpu_ops(x) if x.dim() == 2 and x.dtype == self.weight.dtype else None
+        if ops is not None and x.stride(1) == 1:
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            if residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1:
+                return ops.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual

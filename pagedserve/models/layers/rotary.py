@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedserve.models.layers.fused_ops import cpu_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -83,6 +85,9 @@ def _current_device() -> torch.device:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (num_tokens, num_heads, head_dim), cos/sin (num_tokens, head_dim // 2) -> rotated x."""
+    ops = cpu_ops(x)
+    if ops is not None and x.stride(2) == 1 and cos.dtype == x.dtype:
+        return ops.rotary(x, cos.contiguous(), sin.contiguous())
     cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,79 @@
+"""The C++ fused elementwise ops equal the torch code they replace (the layers' fallback).
+
+Same formula, same dtype steps: float32 results agree to float rounding (sums of squares and
+exp are evaluated in another order / polynomial), bfloat16 results to one bf16 unit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.models.layers import fused_ops
+from pagedserve.models.layers.activation import SiluAndMul
+from pagedserve.models.layers.layernorm import RMSNorm
+from pagedserve.models.layers.rotary import apply_rotary
+
+pytestmark = pytest.mark.skipif(not fused_ops.available(), reason="C++ fused ops did not build here")
+
+TOL = {torch.float32: dict(rtol=2e-6, atol=2e-6), torch.bfloat16: dict(rtol=2**-7, atol=2**-7)}
+
+
+def _with_torch(monkeypatch, fn):
+    monkeypatch.setenv("PAGEDSERVE_FUSED_OPS", "torch")
+    try:
+        return fn()
+    finally:
+        monkeypatch.delenv("PAGEDSERVE_FUSED_OPS")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_and_residual_add(monkeypatch, dtype, rows) -> None:
+    g = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(200, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(200, generator=g).to(dtype)
+    x = (torch.randn(rows, 200, generator=g) * 3).to(dtype)
+    residual = torch.randn(rows, 200, generator=g).to(dtype)
+    assert fused_ops.cpu_ops(x) is not None
+    got, got_sum = norm(x, residual)
+    want, want_sum = _with_torch(monkeypatch, lambda: norm(x, residual))
+    assert torch.equal(got_sum, want_sum)  # one rounded add either way
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(norm(x), _with_torch(monkeypatch, lambda: norm(x)), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(monkeypatch, dtype) -> None:
+    x = (torch.randn(33, 2 * 96, generator=torch.Generator().manual_seed(0)) * 6).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # clamped exp range, zero
+    got = SiluAndMul()(x)
+    want = _with_torch(monkeypatch, lambda: SiluAndMul()(x))
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(got.float(), (F.silu(x[:, :96].double()) * x[:, 96:].double()).float(),
+                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_on_a_strided_view(monkeypatch, dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(9, 6 * 64, generator=g).to(dtype)
+    qk = qkv[:, : 4 * 64].view(9, 4, 64)  # q and k heads of a fused qkv row: row-strided
+    angles = torch.randn(9, 32, generator=g)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    got = apply_rotary(qk, cos, sin)
+    want = _with_torch(monkeypatch, lambda: apply_rotary(qk, cos, sin))
+    assert got.is_contiguous() and got.shape == (9, 4, 64)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_env_forces_torch_and_rejects_bad_values(monkeypatch) -> None:
+    x = torch.randn(2, 8)
+    monkeypatch.setenv("PAGEDSERVE_FUSED_OPS", "torch")
+    assert fused_ops.cpu_ops(x) is None
+    monkeypatch.setenv("PAGEDSERVE_FUSED_OPS", "fast")
+    with pytest.raises(ValueError, match="PAGEDSERVE_FUSED_OPS"):
+        fused_ops.cpu_ops(x)
+    monkeypatch.delenv("PAGEDSERVE_FUSED_OPS")
+    assert fused_ops.cpu_ops(x.double()) is None  # float32 / bfloat16 only
