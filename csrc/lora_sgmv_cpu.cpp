@@ -393,6 +393,11 @@ void make_tasks(const std::vector<Seg>& segs, int in, int out, std::vector<Task>
   }
 }
 
+// Debug builds may time one phase alone (-DLORA_PHASES=1 or 2); the default runs both.
+#ifndef LORA_PHASES
+#define LORA_PHASES 3
+#endif
+
 template <class V, class T>
 void run(const Call<T>& C, const std::vector<Seg>& segs, float* t, int64_t macs) {
   std::vector<Task> t1, t2;
@@ -400,17 +405,22 @@ void run(const Call<T>& C, const std::vector<Seg>& segs, float* t, int64_t macs)
   const int64_t n1 = int64_t(t1.size()), n2 = int64_t(t2.size());
   const int64_t by_work = std::max<int64_t>(1, macs / kThreadMacs);
   const int threads = int(std::min<int64_t>({int64_t(at::get_num_threads()), by_work, std::max(n1, n2)}));
+  constexpr bool p1 = LORA_PHASES & 1, p2 = LORA_PHASES & 2;
   if (threads <= 1) {
-    for (const Task& k : t1) phase1<V, T>(C, segs[k.seg], k, t);
-    for (const Task& k : t2) phase2<V, T>(C, segs[k.seg], k, t);
+    if (p1) for (const Task& k : t1) phase1<V, T>(C, segs[k.seg], k, t);
+    if (p2) for (const Task& k : t2) phase2<V, T>(C, segs[k.seg], k, t);
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
+    if (p1) {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t j = 0; j < n1; ++j) phase1<V, T>(C, segs[t1[j].seg], t1[j], t);
+      for (int64_t j = 0; j < n1; ++j) phase1<V, T>(C, segs[t1[j].seg], t1[j], t);
+    }
+    if (p2) {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t j = 0; j < n2; ++j) phase2<V, T>(C, segs[t2[j].seg], t2[j], t);
+      for (int64_t j = 0; j < n2; ++j) phase2<V, T>(C, segs[t2[j].seg], t2[j], t);
+    }
   }
 }
 
