@@ -59,7 +59,10 @@ using bf16 = c10::BFloat16;
 constexpr int kPanel = 16;              // output columns per B panel (a multiple of every W)
 constexpr int kRankChunk = 8;           // ranks per phase-1 task
 constexpr int kChunk = 512;             // elements of `in` per phase-1 pass (L1 blocking)
-constexpr int64_t kTaskMacs = 32768;    // target multiply-adds per task (~1-2 us)
+#ifndef LORA_TASK_MACS
+#define LORA_TASK_MACS 32768
+#endif
+constexpr int64_t kTaskMacs = LORA_TASK_MACS;  // target multiply-adds per task (~1-2 us)
 constexpr int64_t kThreadMacs = 65536;  // fewer threads below this much work each (fork ~2 us)
 
 // ---- SIMD layer: one struct per ISA, same static interface ------------------------------
@@ -296,6 +299,7 @@ struct Seg {
 struct Task {
   int seg, row0, row1;  // rows of the segment
   int begin, end;       // phase 1: ranks; phase 2: output columns
+  bool transposed = false;  // phase 1 by phase1_at (long float32 segments, 16 ranks)
 };
 
 // Rows [i0, i1) in blocks of 4, then 2, then 1 (never more than W per block).
@@ -370,17 +374,84 @@ void phase2(const Call<T>& C, const Seg& s, const Task& k, const float* t) {
   });
 }
 
+#if defined(__AVX512F__)
+// Phase 1 of a long float32 segment, 16 ranks at a time, without horizontal sums: 16 rows of
+// A are transposed into At (in, 16), then each step broadcasts x[i, l] and FMAs one vector
+// of 16 ranks, MT rows in flight (the dot-product kernel reduces W sums per 16 dots). The
+// transpose (in x 16 scalar moves, as many as 16 rows' vector FMAs) is done
+// once per call and segment (phase 0), shared by every task of the segment.
+constexpr int kAtRows = 64;      // most rows per task
+constexpr int kAtMinRows = 96;   // shorter segments keep the dot-product kernel (measured)
+
+template <int MT>
+inline void at_rows(const float* const* x, const float* at, int in, float scale, float* const* t) {
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int l = 0; l < in; ++l) {
+    const __m512 a = _mm512_loadu_ps(at + int64_t(l) * 16);
+    for (int i = 0; i < MT; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i][l]), a, acc[i]);
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(t[i], _mm512_mul_ps(acc[i], sv));
+}
+
+// At (in, 16) of ranks [k.begin, k.begin + 16) of the segment's A, written once per call
+// (phase 0) into `at`, which every phase-1 task of those ranks then reads.
+void transpose_a(const Call<float>& C, const Seg& s, const Task& k, float* at) {
+  const float* a = C.sa + s.a + int64_t(k.begin) * C.in;
+  for (int l0 = 0; l0 < C.in; l0 += 64)  // 64 columns x 16 rows at a time: both sides in L1
+    for (int j = 0; j < 16; ++j)
+      for (int l = l0; l < std::min(C.in, l0 + 64); ++l) at[int64_t(l) * 16 + j] = a[int64_t(j) * C.in + l];
+}
+
+void phase1_at(const Call<float>& C, const Seg& s, const Task& k, const float* at, float* t) {
+  float* ts = t + s.t_off;
+  int i = k.row0;
+  auto block = [&](auto mt_c) {
+    constexpr int MT = decltype(mt_c)::value;
+    const float* xr[MT];
+    float* tr[MT];
+    for (int m = 0; m < MT; ++m) {
+      xr[m] = C.x + (s.row0 + i + m) * C.ldx;
+      tr[m] = ts + int64_t(i + m) * s.r + k.begin;
+    }
+    at_rows<MT>(xr, at, C.in, s.scale, tr);
+    i += MT;
+  };
+  while (i + 8 <= k.row1) block(std::integral_constant<int, 8>{});
+  if (i + 4 <= k.row1) block(std::integral_constant<int, 4>{});
+  if (i + 2 <= k.row1) block(std::integral_constant<int, 2>{});
+  if (i < k.row1) block(std::integral_constant<int, 1>{});
+}
+#endif
+
 // Rows per task: about kTaskMacs multiply-adds, a multiple of 4 rows (the row block).
 inline int rows_per_task(int64_t macs_per_row, int n) {
   const int64_t rows = kTaskMacs / std::max<int64_t>(1, macs_per_row);
   return int(std::min<int64_t>(n, std::max<int64_t>(4, rows / 4 * 4)));
 }
 
-void make_tasks(const std::vector<Seg>& segs, int in, int out, std::vector<Task>& t1,
-                std::vector<Task>& t2) {
+// Phase-0 tasks (t0: transposes) write At chunks at at_off[seg] + begin * in floats.
+void make_tasks(const std::vector<Seg>& segs, int in, int out, bool transposable,
+                std::vector<Task>& t0, std::vector<Task>& t1, std::vector<Task>& t2,
+                std::vector<int64_t>& at_off, int64_t& at_size) {
+  at_off.assign(segs.size(), -1);
+  at_size = 0;
   const int cols = std::min(out, 256);  // a multiple of kPanel unless it is all of `out`
   for (int s = 0; s < int(segs.size()); ++s) {
     const Seg& g = segs[s];
+#if defined(__AVX512F__)
+    if (!g.mm && transposable && g.n >= kAtMinRows && g.r % 16 == 0) {
+      // Enough tasks for every thread, at least 16 rows each (the transpose's payback).
+      const int want = (g.n + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());
+      const int rows = std::clamp((want + 7) / 8 * 8, 8, kAtRows);
+      at_off[s] = at_size;
+      at_size += int64_t(g.r) * in;
+      for (int j = 0; j < g.r; j += 16) t0.push_back({s, 0, 0, j, j + 16, true});
+      for (int i = 0; i < g.n; i += rows)
+        for (int j = 0; j < g.r; j += 16) t1.push_back({s, i, std::min(g.n, i + rows), j, j + 16, true});
+    } else
+#endif
     if (!g.mm) {
       const int rp = rows_per_task(int64_t(in) * std::min(g.r, kRankChunk), g.n);
       for (int i = 0; i < g.n; i += rp)
@@ -393,6 +464,30 @@ void make_tasks(const std::vector<Seg>& segs, int in, int out, std::vector<Task>
   }
 }
 
+// A/B builds may turn the transposed phase 1 off (-DLORA_NO_TRANSPOSED).
+#if defined(LORA_NO_TRANSPOSED) || !defined(__AVX512F__)
+constexpr bool kTransposedPhase1 = false;
+#else
+constexpr bool kTransposedPhase1 = true;
+#endif
+
+template <class V, class T>
+inline void phase0_any(const Call<T>& C, const Seg& s, const Task& k, float* at) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) transpose_a(C, s, k, at + int64_t(k.begin) * C.in);
+#endif
+}
+
+template <class V, class T>
+inline void phase1_any(const Call<T>& C, const Seg& s, const Task& k, const float* at, float* t) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (k.transposed) return phase1_at(C, s, k, at + int64_t(k.begin) * C.in, t);
+  }
+#endif
+  phase1<V, T>(C, s, k, t);
+}
+
 // Debug builds may time one phase alone (-DLORA_PHASES=1 or 2); the default runs both.
 #ifndef LORA_PHASES
 #define LORA_PHASES 3
@@ -400,22 +495,33 @@ void make_tasks(const std::vector<Seg>& segs, int in, int out, std::vector<Task>
 
 template <class V, class T>
 void run(const Call<T>& C, const std::vector<Seg>& segs, float* t, int64_t macs) {
-  std::vector<Task> t1, t2;
-  make_tasks(segs, C.in, C.out, t1, t2);
-  const int64_t n1 = int64_t(t1.size()), n2 = int64_t(t2.size());
+  std::vector<Task> t0, t1, t2;
+  std::vector<int64_t> at_off;
+  int64_t at_size = 0;
+  make_tasks(segs, C.in, C.out, kTransposedPhase1 && std::is_same_v<T, float>, t0, t1, t2, at_off, at_size);
+  static thread_local std::vector<float> at_scratch;
+  if (int64_t(at_scratch.size()) < at_size) at_scratch.resize(at_size);
+  float* at = at_scratch.data();
+  auto at_of = [&](const Task& k) { return at + std::max<int64_t>(0, at_off[k.seg]); };
+  const int64_t n0 = int64_t(t0.size()), n1 = int64_t(t1.size()), n2 = int64_t(t2.size());
   const int64_t by_work = std::max<int64_t>(1, macs / kThreadMacs);
   const int threads = int(std::min<int64_t>({int64_t(at::get_num_threads()), by_work, std::max(n1, n2)}));
   constexpr bool p1 = LORA_PHASES & 1, p2 = LORA_PHASES & 2;
   if (threads <= 1) {
-    if (p1) for (const Task& k : t1) phase1<V, T>(C, segs[k.seg], k, t);
+    if (p1) for (const Task& k : t0) phase0_any<V, T>(C, segs[k.seg], k, at_of(k));
+    if (p1) for (const Task& k : t1) phase1_any<V, T>(C, segs[k.seg], k, at_of(k), t);
     if (p2) for (const Task& k : t2) phase2<V, T>(C, segs[k.seg], k, t);
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
     if (p1) {
+      if (n0 > 0) {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t j = 0; j < n1; ++j) phase1<V, T>(C, segs[t1[j].seg], t1[j], t);
+        for (int64_t j = 0; j < n0; ++j) phase0_any<V, T>(C, segs[t0[j].seg], t0[j], at_of(t0[j]));
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t j = 0; j < n1; ++j) phase1_any<V, T>(C, segs[t1[j].seg], t1[j], at_of(t1[j]), t);
     }
     if (p2) {
 #pragma omp for schedule(dynamic, 1)

@@ -8,6 +8,7 @@ and cached (tests/lora_utils.py); the C++ extension is built once (~20 s) and ca
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
@@ -463,3 +464,34 @@ def test_segments_mixed_batch(model_path) -> None:
                 w = resident[k][0].weights.get((layer, name)) if k else None
                 want = torch.zeros(dims[name][1]) if w is None else w.scale * w.lora_b @ (w.lora_a @ x[t])
                 torch.testing.assert_close(y[t], want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_long_rank16_segments(ops) -> None:
+    """Segments of >= 96 tokens with a rank multiple of 16 take the transposed phase 1
+    (csrc: phase1_at); it must agree with the dense product and not depend on threads."""
+    in_dim, out_dim, lens, ranks = 768, 256, [200, 97, 5], [16, 16, 16]
+    g = torch.Generator().manual_seed(11)
+    mats = [(torch.randn(r, in_dim, generator=g) / in_dim**0.5, torch.randn(out_dim, r, generator=g) / r**0.5)
+            for r in ranks]
+    sa = torch.cat([a.reshape(-1) for a, _ in mats])
+    sb = torch.cat([kernels.pack_lora_b(b) for _, b in mats])
+    a_off = [sum(a.numel() for a, _ in mats[:i]) for i in range(len(mats))]
+    b_off = [sum(kernels.b_region_elems(out_dim, r) for r in ranks[:i]) for i in range(len(mats))]
+    starts = [0, *itertools.accumulate(lens)]
+    scales = [0.5, 2.0, 1.0]
+    args = (torch.tensor(starts), torch.tensor(a_off), torch.tensor(b_off),
+            torch.tensor(ranks, dtype=torch.int32), torch.tensor(scales, dtype=torch.float32))
+    x = torch.randn(starts[-1], in_dim, generator=g)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            y = torch.zeros(x.shape[0], out_dim)
+            kernels.lora_apply(y, x, sa, sb, *args)
+            outs.append(y)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    expected = dense_delta(x, starts, mats, scales, out_dim)
+    torch.testing.assert_close(outs[0].double(), expected, rtol=1e-5, atol=1e-5)
