@@ -381,7 +381,10 @@ void phase2(const Call<T>& C, const Seg& s, const Task& k, const float* t) {
 // transpose (in x 16 scalar moves, as many as 16 rows' vector FMAs) is done
 // once per call and segment (phase 0), shared by every task of the segment.
 constexpr int kAtRows = 64;      // most rows per task
-constexpr int kAtMinRows = 96;   // shorter segments keep the dot-product kernel (measured)
+// Shorter segments keep the dot-product kernel, which measured faster there at rank 16; from
+// rank 32 the transposed path wins from 32 rows (at 64 rows, rank 64: 0.81 vs 1.07 ms/layer).
+constexpr int kAtMinRows = 96;
+constexpr int kAtMinRowsHighRank = 32;
 
 template <int MT>
 inline void at_rows(const float* const* x, const float* at, int in, float scale, float* const* t) {
@@ -397,11 +400,45 @@ inline void at_rows(const float* const* x, const float* at, int in, float scale,
 
 // At (in, 16) of ranks [k.begin, k.begin + 16) of the segment's A, written once per call
 // (phase 0) into `at`, which every phase-1 task of those ranks then reads.
+// 16 x 16 float transpose in registers: out[c][i] = r[i][c] (4 shuffle stages, 64 ops for
+// 256 elements instead of 256 scalar moves).
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 a[16], b[16];
+  for (int k = 0; k < 8; ++k) {
+    a[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    a[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  // b[4m + q], 128-bit lane L: column 4L + q of rows 4m .. 4m + 3.
+  for (int m = 0; m < 4; ++m) {
+    const __m512d a0 = _mm512_castps_pd(a[4 * m]), a1 = _mm512_castps_pd(a[4 * m + 1]);
+    const __m512d a2 = _mm512_castps_pd(a[4 * m + 2]), a3 = _mm512_castps_pd(a[4 * m + 3]);
+    b[4 * m + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
+    b[4 * m + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
+    b[4 * m + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
+    b[4 * m + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m512 c0 = _mm512_shuffle_f32x4(b[q], b[4 + q], 0x88), c1 = _mm512_shuffle_f32x4(b[q], b[4 + q], 0xDD);
+    const __m512 d0 = _mm512_shuffle_f32x4(b[8 + q], b[12 + q], 0x88), d1 = _mm512_shuffle_f32x4(b[8 + q], b[12 + q], 0xDD);
+    r[q] = _mm512_shuffle_f32x4(c0, d0, 0x88);
+    r[8 + q] = _mm512_shuffle_f32x4(c0, d0, 0xDD);
+    r[4 + q] = _mm512_shuffle_f32x4(c1, d1, 0x88);
+    r[12 + q] = _mm512_shuffle_f32x4(c1, d1, 0xDD);
+  }
+}
+
+// At (in, 16) of ranks [k.begin, k.begin + 16) of the segment's A, written once per call
+// (phase 0) into `at`, which every phase-1 task of those ranks then reads.
 void transpose_a(const Call<float>& C, const Seg& s, const Task& k, float* at) {
   const float* a = C.sa + s.a + int64_t(k.begin) * C.in;
-  for (int l0 = 0; l0 < C.in; l0 += 64)  // 64 columns x 16 rows at a time: both sides in L1
-    for (int j = 0; j < 16; ++j)
-      for (int l = l0; l < std::min(C.in, l0 + 64); ++l) at[int64_t(l) * 16 + j] = a[int64_t(j) * C.in + l];
+  for (int l0 = 0; l0 < C.in; l0 += 16) {
+    const int n = std::min(16, C.in - l0);
+    const __mmask16 mask = __mmask16((1u << n) - 1);
+    __m512 r[16];
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_maskz_loadu_ps(mask, a + int64_t(j) * C.in + l0);
+    transpose16(r);
+    for (int c = 0; c < n; ++c) _mm512_storeu_ps(at + int64_t(l0 + c) * 16, r[c]);
+  }
 }
 
 void phase1_at(const Call<float>& C, const Seg& s, const Task& k, const float* at, float* t) {
@@ -435,7 +472,7 @@ inline int rows_per_task(int64_t macs_per_row, int n) {
 // time at ranks 32 / 64 and 128-2048 tokens, benchmarks/lora_micro.py shapes).
 inline bool takes_transposed(const Seg& g, bool transposable) {
 #if defined(__AVX512F__)
-  return transposable && g.n >= kAtMinRows && g.r % 16 == 0;
+  return transposable && g.r % 16 == 0 && (g.n >= kAtMinRows || (g.r >= 32 && g.n >= kAtMinRowsHighRank));
 #else
   return false;
 #endif

@@ -467,9 +467,10 @@ def test_segments_mixed_batch(model_path) -> None:
 
 
 def test_kernel_long_rank16_segments(ops) -> None:
-    """Segments of >= 96 tokens with a rank multiple of 16 take the transposed phase 1
-    (csrc: phase1_at); it must agree with the dense product and not depend on threads."""
-    in_dim, out_dim, lens, ranks = 768, 256, [200, 97, 5], [16, 16, 16]
+    """Segments with a rank multiple of 16 and >= 96 tokens (>= 32 from rank 32) take the
+    transposed phase 1 (csrc: phase1_at); it must agree with the dense product and not
+    depend on threads. in = 770: a partial 16-column block in the A transpose."""
+    in_dim, out_dim, lens, ranks = 770, 256, [200, 97, 5, 40, 33], [16, 16, 16, 32, 64]
     g = torch.Generator().manual_seed(11)
     mats = [(torch.randn(r, in_dim, generator=g) / in_dim**0.5, torch.randn(out_dim, r, generator=g) / r**0.5)
             for r in ranks]
@@ -478,7 +479,7 @@ def test_kernel_long_rank16_segments(ops) -> None:
     a_off = [sum(a.numel() for a, _ in mats[:i]) for i in range(len(mats))]
     b_off = [sum(kernels.b_region_elems(out_dim, r) for r in ranks[:i]) for i in range(len(mats))]
     starts = [0, *itertools.accumulate(lens)]
-    scales = [0.5, 2.0, 1.0]
+    scales = [0.5, 2.0, 1.0, 1.5, 0.25]
     args = (torch.tensor(starts), torch.tensor(a_off), torch.tensor(b_off),
             torch.tensor(ranks, dtype=torch.int32), torch.tensor(scales, dtype=torch.float32))
     x = torch.randn(starts[-1], in_dim, generator=g)

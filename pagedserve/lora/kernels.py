@@ -48,9 +48,9 @@ PANEL = 16
 # Phase 1 (x @ A^T) of segments with >= MM_MIN_ROWS tokens and rank >= MM_MIN_RANK goes to
 # BLAS (at::mm), the rest to the SIMD kernel. `benchmarks/lora_micro.py --sweep-mm`: the SIMD
 # kernel is as fast or faster below 64 tokens at any rank and for ranks < 32 at any length;
-# BLAS wins by 10-20% on long rank-64 segments (it packs A). On AVX-512, float32 segments of
-# >= 96 tokens with ranks in multiples of 16 take the kernel's transposed phase 1 instead,
-# which beats BLAS by another 10-16% (csrc/lora_sgmv_cpu.cpp, takes_transposed).
+# BLAS wins by 10-20% on long rank-64 segments (it packs A). On AVX-512, float32 segments
+# with ranks in multiples of 16 and >= 96 tokens (>= 32 from rank 32) take the kernel's
+# transposed phase 1 instead, which beats both (csrc/lora_sgmv_cpu.cpp, takes_transposed).
 MM_MIN_ROWS = 64
 MM_MIN_RANK = 32
 
