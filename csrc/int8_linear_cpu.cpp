@@ -88,16 +88,17 @@ void convert_group(const int8_t* packed, int64_t pairs, int64_t t0, int nt, __m5
   }
 }
 
-// Few rows: converting in registers beats a trip through the buffer (memory-bound anyway).
-template <int MT, int NT>
-void direct_kernel(const uint32_t* x, int64_t x_stride, const int8_t* w, int64_t pairs, float* y,
-                   int64_t y_stride, const float* scale, const float* bias) {
+// An MT x (NT x 16) register tile over all k-pairs; weight(p, j) gives tile j's bf16 vector
+// of pair p (from the converted buffer, or converted in registers).
+template <int MT, int NT, class Weight>
+inline void tile_kernel(const uint32_t* x, int64_t x_stride, int64_t pairs, Weight weight, float* y,
+                        int64_t y_stride, const float* scale, const float* bias) {
   __m512 acc[MT][NT];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh wv[NT];
-    for (int j = 0; j < NT; ++j) wv[j] = to_bf16(w + (j * pairs + p) * 32);
+    for (int j = 0; j < NT; ++j) wv[j] = weight(p, j);
     for (int i = 0; i < MT; ++i) {
       __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * x_stride + p]));
       for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
@@ -106,21 +107,19 @@ void direct_kernel(const uint32_t* x, int64_t x_stride, const int8_t* w, int64_t
   store_tile<MT, NT>(acc, y, y_stride, scale, bias);
 }
 
+// Few rows: converting in registers beats a trip through the buffer (memory-bound anyway).
+template <int MT, int NT>
+void direct_kernel(const uint32_t* x, int64_t x_stride, const int8_t* w, int64_t pairs, float* y,
+                   int64_t y_stride, const float* scale, const float* bias) {
+  tile_kernel<MT, NT>(x, x_stride, pairs, [&](int64_t p, int j) { return to_bf16(w + (j * pairs + p) * 32); },
+                      y, y_stride, scale, bias);
+}
+
 template <int MT, int NT>
 void micro_kernel(const uint32_t* x, int64_t x_stride, const __m512bh* w, int64_t pairs, float* y,
                   int64_t y_stride, const float* scale, const float* bias) {
-  __m512 acc[MT][NT];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh wv[NT];
-    for (int j = 0; j < NT; ++j) wv[j] = w[p * NT + j];
-    for (int i = 0; i < MT; ++i) {
-      __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * x_stride + p]));
-      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-    }
-  }
-  store_tile<MT, NT>(acc, y, y_stride, scale, bias);
+  tile_kernel<MT, NT>(x, x_stride, pairs, [&](int64_t p, int j) { return w[p * NT + j]; }, y, y_stride,
+                      scale, bias);
 }
 
 template <int NT>

@@ -20,22 +20,28 @@ import os
 import pathlib
 from typing import Literal
 
+
+def _choice(variable: str, options: tuple[str, ...]) -> str | None:
+    """A forced choice among `options` (case-insensitive), or None when unset / "auto".
+
+    Raises:
+        ValueError: any other value; the message names the variable and the options.
+    """
+    value = os.environ.get(variable, "").strip().lower()
+    if not value or value == "auto":
+        return None
+    if value in options:
+        return value
+    raise ValueError(f"{variable} must be one of {', '.join(options)} (or unset / auto); got {value!r}")
+
+
 AttentionBackendName = Literal["torch", "cpp"]
 _ATTENTION_BACKENDS: tuple[AttentionBackendName, ...] = ("torch", "cpp")
 
 
 def attention_backend() -> AttentionBackendName | None:
     """The forced attention backend, or None to choose automatically."""
-    value = os.environ.get("PAGEDSERVE_ATTENTION_BACKEND", "").strip().lower()
-    if not value or value == "auto":
-        return None
-    for name in _ATTENTION_BACKENDS:
-        if value == name:
-            return name
-    raise ValueError(
-        f"PAGEDSERVE_ATTENTION_BACKEND must be one of {', '.join(_ATTENTION_BACKENDS)} "
-        f"(or unset / auto); got {value!r}"
-    )
+    return _choice("PAGEDSERVE_ATTENTION_BACKEND", _ATTENTION_BACKENDS)  # type: ignore[return-value]
 
 
 CpuGemmName = Literal["onednn", "torch"]
@@ -44,15 +50,7 @@ _CPU_GEMMS: tuple[CpuGemmName, ...] = ("onednn", "torch")
 
 def cpu_gemm() -> CpuGemmName | None:
     """The forced CPU GEMM for unquantized linear layers, or None to choose automatically."""
-    value = os.environ.get("PAGEDSERVE_CPU_GEMM", "").strip().lower()
-    if not value or value == "auto":
-        return None
-    if value in _CPU_GEMMS:
-        return value  # type: ignore[return-value]
-    raise ValueError(
-        f"PAGEDSERVE_CPU_GEMM must be one of {', '.join(_CPU_GEMMS)} (or unset / auto); "
-        f"got {value!r}"
-    )
+    return _choice("PAGEDSERVE_CPU_GEMM", _CPU_GEMMS)  # type: ignore[return-value]
 
 
 FusedOpsName = Literal["cpp", "torch"]
@@ -61,14 +59,7 @@ _FUSED_OPS: tuple[FusedOpsName, ...] = ("cpp", "torch")
 
 def fused_ops() -> FusedOpsName | None:
     """The forced implementation of the fused elementwise ops, or None for automatic."""
-    value = os.environ.get("PAGEDSERVE_FUSED_OPS", "").strip().lower()
-    if not value or value == "auto":
-        return None
-    if value in _FUSED_OPS:
-        return value  # type: ignore[return-value]
-    raise ValueError(
-        f"PAGEDSERVE_FUSED_OPS must be one of {', '.join(_FUSED_OPS)} (or unset / auto); got {value!r}"
-    )
+    return _choice("PAGEDSERVE_FUSED_OPS", _FUSED_OPS)  # type: ignore[return-value]
 
 
 def torch_extensions_dir() -> pathlib.Path:
