@@ -65,58 +65,61 @@ inline void norm_row(const T* s, const T* w, float eps, int64_t n, T* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = from_f<T>(to_f(w[i]) * to_f(from_f<T>(to_f(s[i]) * inv)));
 }
 
-void check_rows(const at::Tensor& x, const char* what) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, ": expected a (rows, cols) tensor with contiguous rows");
+void check_dtype(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, what,
               ": float32 or bfloat16 only");
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "rms_norm");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
-              "rms_norm: weight must be (cols,) in x's dtype");
-  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
-  const int64_t n = x.size(1), ld = x.stride(0);
-  dispatch(x.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const scalar_t* xd = x.data_ptr<scalar_t>();
-    const scalar_t* wd = weight.data_ptr<scalar_t>();
-    scalar_t* od = out.data_ptr<scalar_t>();
-    at::parallel_for(0, x.size(0), grain_rows(n), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) norm_row(xd + r * ld, wd, static_cast<float>(eps), n, od + r * n);
-    });
-  });
-  return out;
+void check_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, ": expected a (rows, cols) tensor with contiguous rows");
+  check_dtype(x, what);
 }
 
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& weight, double eps) {
-  check_rows(x, "add_rms_norm");
-  check_rows(residual, "add_rms_norm");
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
-              "add_rms_norm: residual must match x");
+// out = rms_norm(x + residual) and sum = x + residual, or out = rms_norm(x) when `residual`
+// is undefined (then `sum` stays undefined).
+std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x, const at::Tensor& residual,
+                                             const at::Tensor& weight, double eps, const char* what) {
+  check_rows(x, what);
+  if (residual.defined()) {
+    check_rows(residual, what);
+    TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), what,
+                ": residual must match x");
+  }
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
-              "add_rms_norm: weight must be (cols,) in x's dtype");
+              what, ": weight must be (cols,) in x's dtype");
   const int64_t rows = x.size(0), n = x.size(1);
   at::Tensor out = at::empty({rows, n}, x.options());
-  at::Tensor sum = at::empty({rows, n}, x.options());
+  at::Tensor sum = residual.defined() ? at::empty({rows, n}, x.options()) : at::Tensor();
   dispatch(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* xd = x.data_ptr<scalar_t>();
-    const scalar_t* rd = residual.data_ptr<scalar_t>();
+    const scalar_t* rd = residual.defined() ? residual.data_ptr<scalar_t>() : nullptr;
     const scalar_t* wd = weight.data_ptr<scalar_t>();
     scalar_t* od = out.data_ptr<scalar_t>();
-    scalar_t* sd = sum.data_ptr<scalar_t>();
-    const int64_t ldx = x.stride(0), ldr = residual.stride(0);
+    scalar_t* sd = sum.defined() ? sum.data_ptr<scalar_t>() : nullptr;
+    const int64_t ldx = x.stride(0), ldr = rd ? residual.stride(0) : 0;
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        scalar_t* s = sd + r * n;
-        for (int64_t i = 0; i < n; ++i) s[i] = from_f<scalar_t>(to_f(xd[r * ldx + i]) + to_f(rd[r * ldr + i]));
-        norm_row(s, wd, static_cast<float>(eps), n, od + r * n);
+        const scalar_t* src = xd + r * ldx;
+        if (rd) {
+          scalar_t* s = sd + r * n;
+          for (int64_t i = 0; i < n; ++i) s[i] = from_f<scalar_t>(to_f(src[i]) + to_f(rd[r * ldr + i]));
+          src = s;
+        }
+        norm_row(src, wd, static_cast<float>(eps), n, od + r * n);
       }
     });
   });
   return {out, sum};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<0>(norm_impl(x, at::Tensor(), weight, eps, "rms_norm"));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  return norm_impl(x, residual, weight, eps, "add_rms_norm");
 }
 
 // exp(x) for float32, branch-free so loops over it vectorize: 2^n * p(r), r in [-ln2/2, ln2/2],
@@ -171,7 +174,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // x (T, H, D) with any token / head strides and contiguous D; cos, sin (T, D/2) contiguous.
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary: x must be (tokens, heads, head_dim), head_dim contiguous");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "rotary: float32 or bfloat16 only");
+  check_dtype(x, "rotary");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
   TORCH_CHECK(D % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == T &&
                   cos.size(1) == half && sin.sizes() == cos.sizes() && cos.scalar_type() == x.scalar_type() &&

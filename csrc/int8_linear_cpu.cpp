@@ -84,15 +84,16 @@ inline __m512bh to_bf16(const int8_t* src) {
 void convert_group(const int8_t* packed, int64_t pairs, int64_t t0, int nt, __m512bh* buf) {
   for (int j = 0; j < nt; ++j) {
     const int8_t* src = packed + (t0 + j) * pairs * 32;
-    for (int64_t p = 0; p < pairs; ++p) buf[p * nt + j] = to_bf16(src + p * 32);
+    for (int64_t p = 0; p < pairs; ++p) buf[p * kGroup + j] = to_bf16(src + p * 32);
   }
 }
 
-// An MT x (NT x 16) register tile over all k-pairs; weight(p, j) gives tile j's bf16 vector
-// of pair p (from the converted buffer, or converted in registers).
+// An MT x (NT x 16) register tile over all k-pairs; x rows are `pairs` dwords apart and
+// weight(p, j) gives tile j's bf16 vector of pair p (from the converted buffer, or converted
+// in registers).
 template <int MT, int NT, class Weight>
-inline void tile_kernel(const uint32_t* x, int64_t x_stride, int64_t pairs, Weight weight, float* y,
-                        int64_t y_stride, const float* scale, const float* bias) {
+inline void tile_kernel(const uint32_t* x, int64_t pairs, Weight weight, float* y, int64_t y_stride,
+                        const float* scale, const float* bias) {
   __m512 acc[MT][NT];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -100,56 +101,37 @@ inline void tile_kernel(const uint32_t* x, int64_t x_stride, int64_t pairs, Weig
     __m512bh wv[NT];
     for (int j = 0; j < NT; ++j) wv[j] = weight(p, j);
     for (int i = 0; i < MT; ++i) {
-      __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * x_stride + p]));
+      __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * pairs + p]));
       for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
     }
   }
   store_tile<MT, NT>(acc, y, y_stride, scale, bias);
 }
 
-// Few rows: converting in registers beats a trip through the buffer (memory-bound anyway).
-template <int MT, int NT>
-void direct_kernel(const uint32_t* x, int64_t x_stride, const int8_t* w, int64_t pairs, float* y,
-                   int64_t y_stride, const float* scale, const float* bias) {
-  tile_kernel<MT, NT>(x, x_stride, pairs, [&](int64_t p, int j) { return to_bf16(w + (j * pairs + p) * 32); },
-                      y, y_stride, scale, bias);
-}
-
-template <int MT, int NT>
-void micro_kernel(const uint32_t* x, int64_t x_stride, const __m512bh* w, int64_t pairs, float* y,
-                  int64_t y_stride, const float* scale, const float* bias) {
-  tile_kernel<MT, NT>(x, x_stride, pairs, [&](int64_t p, int j) { return w[p * NT + j]; }, y, y_stride,
-                      scale, bias);
-}
-
-template <int NT>
-void rows_tile(int mt, const uint32_t* x, int64_t x_stride, const __m512bh* w, int64_t pairs,
-               float* y, int64_t y_stride, const float* scale, const float* bias) {
-  switch (mt) {
+// tile_kernel for a run-time tile shape: mt rows (1 .. kRows), nt tiles (1 .. kGroup).
+template <class Weight>
+void run_tile(int mt, int nt, const uint32_t* x, int64_t pairs, Weight weight, float* y,
+              int64_t y_stride, const float* scale, const float* bias) {
+  auto with_nt = [&](auto nt_c) {
+    constexpr int NT = decltype(nt_c)::value;
+    switch (mt) {
 #define PAGEDSERVE_CASE(R) \
   case R:                  \
-    return micro_kernel<R, NT>(x, x_stride, w, pairs, y, y_stride, scale, bias);
-    PAGEDSERVE_CASE(1)
-    PAGEDSERVE_CASE(2)
-    PAGEDSERVE_CASE(3)
-    PAGEDSERVE_CASE(4)
-    PAGEDSERVE_CASE(5)
-    PAGEDSERVE_CASE(6)
-    PAGEDSERVE_CASE(7)
-    PAGEDSERVE_CASE(8)
+    return tile_kernel<R, NT>(x, pairs, weight, y, y_stride, scale, bias);
+      PAGEDSERVE_CASE(1)
+      PAGEDSERVE_CASE(2)
+      PAGEDSERVE_CASE(3)
+      PAGEDSERVE_CASE(4)
+      PAGEDSERVE_CASE(5)
+      PAGEDSERVE_CASE(6)
+      PAGEDSERVE_CASE(7)
+      PAGEDSERVE_CASE(8)
 #undef PAGEDSERVE_CASE
-  }
-}
-
-template <int NT>
-void direct_tile(int mt, const uint32_t* x, int64_t pairs, const int8_t* w, float* y,
-                 int64_t y_stride, const float* scale, const float* bias) {
-  switch (mt) {
-    case 1: return direct_kernel<1, NT>(x, pairs, w, pairs, y, y_stride, scale, bias);
-    case 2: return direct_kernel<2, NT>(x, pairs, w, pairs, y, y_stride, scale, bias);
-    case 3: return direct_kernel<3, NT>(x, pairs, w, pairs, y, y_stride, scale, bias);
-    case 4: return direct_kernel<4, NT>(x, pairs, w, pairs, y, y_stride, scale, bias);
-  }
+    }
+  };
+  if (nt == 3) with_nt(std::integral_constant<int, 3>{});
+  else if (nt == 2) with_nt(std::integral_constant<int, 2>{});
+  else with_nt(std::integral_constant<int, 1>{});
 }
 
 void linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
@@ -164,17 +146,14 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   const int64_t groups = (tiles + kGroup - 1) / kGroup;
   // Threads only pay off when each has a few groups' worth of multiply-adds.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, M * pairs * 96));
-  if (M <= kDirectRows) {
+  if (M <= kDirectRows) {  // few rows: converting in registers beats a trip through a buffer
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t t0 = g * kGroup, n0 = t0 * kTile;
         const int nt = static_cast<int>(std::min<int64_t>(kGroup, tiles - t0));
         const int8_t* w = wd + t0 * pairs * 32;
-        const float* br = bd ? bd + n0 : nullptr;
-        const int mt = static_cast<int>(M);
-        if (nt == 3) direct_tile<3>(mt, xd, pairs, w, yd + n0, N, sd + n0, br);
-        else if (nt == 2) direct_tile<2>(mt, xd, pairs, w, yd + n0, N, sd + n0, br);
-        else direct_tile<1>(mt, xd, pairs, w, yd + n0, N, sd + n0, br);
+        auto weight = [&](int64_t p, int j) { return to_bf16(w + (j * pairs + p) * 32); };
+        run_tile(static_cast<int>(M), nt, xd, pairs, weight, yd + n0, N, sd + n0, bd ? bd + n0 : nullptr);
       }
     });
     return;
@@ -190,12 +169,10 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
         const int64_t n0 = t0 * kTile;
         for (int64_t m = m0; m < m1; m += kRows) {
           const int mt = static_cast<int>(std::min<int64_t>(kRows, m1 - m));
-          const uint32_t* xr = xd + m * pairs;
-          float* yr = yd + m * N + n0;
-          const float* br = bd ? bd + n0 : nullptr;
-          if (nt == 3) rows_tile<3>(mt, xr, pairs, buf.data(), pairs, yr, N, sd + n0, br);
-          else if (nt == 2) rows_tile<2>(mt, xr, pairs, buf.data(), pairs, yr, N, sd + n0, br);
-          else rows_tile<1>(mt, xr, pairs, buf.data(), pairs, yr, N, sd + n0, br);
+          const __m512bh* w = buf.data();
+          auto weight = [w](int64_t p, int j) { return w[p * kGroup + j]; };
+          run_tile(mt, nt, xd + m * pairs, pairs, weight, yd + m * N + n0, N, sd + n0,
+                   bd ? bd + n0 : nullptr);
         }
       }
     }

@@ -59,10 +59,7 @@ using bf16 = c10::BFloat16;
 constexpr int kPanel = 16;              // output columns per B panel (a multiple of every W)
 constexpr int kRankChunk = 8;           // ranks per phase-1 task
 constexpr int kChunk = 512;             // elements of `in` per phase-1 pass (L1 blocking)
-#ifndef LORA_TASK_MACS
-#define LORA_TASK_MACS 32768
-#endif
-constexpr int64_t kTaskMacs = LORA_TASK_MACS;  // target multiply-adds per task (~1-2 us)
+constexpr int64_t kTaskMacs = 32768;    // target multiply-adds per task (~1-2 us)
 constexpr int64_t kThreadMacs = 65536;  // fewer threads below this much work each (fork ~2 us)
 
 // ---- SIMD layer: one struct per ISA, same static interface ------------------------------
@@ -294,12 +291,13 @@ struct Seg {
   float scale;
   int64_t t_off;   // offset of the segment's (n, r) block in the fp32 scratch
   bool mm;         // phase 1 by at::mm
+  bool transposed; // phase 1 by phase1_at (AVX-512, float32; see takes_transposed)
+  int64_t at_off;  // transposed: offset of the segment's At chunks in the At scratch
 };
 
 struct Task {
   int seg, row0, row1;  // rows of the segment
   int begin, end;       // phase 1: ranks; phase 2: output columns
-  bool transposed = false;  // phase 1 by phase1_at (long float32 segments, 16 ranks)
 };
 
 // Rows [i0, i1) in blocks of 4, then 2, then 1 (never more than W per block).
@@ -378,8 +376,7 @@ void phase2(const Call<T>& C, const Seg& s, const Task& k, const float* t) {
 // Phase 1 of a long float32 segment, 16 ranks at a time, without horizontal sums: 16 rows of
 // A are transposed into At (in, 16), then each step broadcasts x[i, l] and FMAs one vector
 // of 16 ranks, MT rows in flight (the dot-product kernel reduces W sums per 16 dots). The
-// transpose (in x 16 scalar moves, as many as 16 rows' vector FMAs) is done
-// once per call and segment (phase 0), shared by every task of the segment.
+// transpose is done once per call and segment (phase 0), shared by every task of the segment.
 constexpr int kAtRows = 64;      // most rows per task
 // Shorter segments keep the dot-product kernel, which measured faster there at rank 16; from
 // rank 32 the transposed path wins from 32 rows (at 64 rows, rank 64: 0.81 vs 1.07 ms/layer).
@@ -398,8 +395,6 @@ inline void at_rows(const float* const* x, const float* at, int in, float scale,
   for (int i = 0; i < MT; ++i) _mm512_storeu_ps(t[i], _mm512_mul_ps(acc[i], sv));
 }
 
-// At (in, 16) of ranks [k.begin, k.begin + 16) of the segment's A, written once per call
-// (phase 0) into `at`, which every phase-1 task of those ranks then reads.
 // 16 x 16 float transpose in registers: out[c][i] = r[i][c] (4 shuffle stages, 64 ops for
 // 256 elements instead of 256 scalar moves).
 inline void transpose16(__m512 (&r)[16]) {
@@ -462,44 +457,43 @@ void phase1_at(const Call<float>& C, const Seg& s, const Task& k, const float* a
 }
 #endif
 
+// Whether a segment's phase 1 takes phase1_at: AVX-512, float32, ranks in multiples of 16,
+// long enough segments (at ranks 32 / 64 and 128-2048 tokens it also took 10-16% less LoRA
+// time than BLAS, benchmarks/lora_micro.py shapes). -DLORA_NO_TRANSPOSED turns it off (A/B).
+template <class T>
+inline bool takes_transposed(const Seg& g) {
+#if defined(__AVX512F__) && !defined(LORA_NO_TRANSPOSED)
+  return std::is_same_v<T, float> && g.r % 16 == 0 &&
+         (g.n >= kAtMinRows || (g.r >= 32 && g.n >= kAtMinRowsHighRank));
+#else
+  return false;
+#endif
+}
+
 // Rows per task: about kTaskMacs multiply-adds, a multiple of 4 rows (the row block).
 inline int rows_per_task(int64_t macs_per_row, int n) {
   const int64_t rows = kTaskMacs / std::max<int64_t>(1, macs_per_row);
   return int(std::min<int64_t>(n, std::max<int64_t>(4, rows / 4 * 4)));
 }
 
-// Whether a segment's phase 1 takes phase1_at (it also beats BLAS there: 10-16% less LoRA
-// time at ranks 32 / 64 and 128-2048 tokens, benchmarks/lora_micro.py shapes).
-inline bool takes_transposed(const Seg& g, bool transposable) {
-#if defined(__AVX512F__)
-  return transposable && g.r % 16 == 0 && (g.n >= kAtMinRows || (g.r >= 32 && g.n >= kAtMinRowsHighRank));
-#else
-  return false;
-#endif
-}
-
-// Phase-0 tasks (t0: transposes) write At chunks at at_off[seg] + begin * in floats.
-void make_tasks(const std::vector<Seg>& segs, int in, int out, bool transposable,
-                std::vector<Task>& t0, std::vector<Task>& t1, std::vector<Task>& t2,
-                std::vector<int64_t>& at_off, int64_t& at_size) {
-  at_off.assign(segs.size(), -1);
+// Phase-0 tasks (t0: transposes) write a transposed segment's At chunks at its at_off +
+// begin * in floats; at_size = the floats all of them need.
+void make_tasks(std::vector<Seg>& segs, int in, int out, std::vector<Task>& t0,
+                std::vector<Task>& t1, std::vector<Task>& t2, int64_t& at_size) {
   at_size = 0;
   const int cols = std::min(out, 256);  // a multiple of kPanel unless it is all of `out`
   for (int s = 0; s < int(segs.size()); ++s) {
-    const Seg& g = segs[s];
-#if defined(__AVX512F__)
-    if (!g.mm && takes_transposed(g, transposable)) {
-      // Enough tasks for every thread, at least 16 rows each (the transpose's payback).
+    Seg& g = segs[s];
+    if (g.transposed) {
+      // About two tasks per thread, 8-64 rows each.
       const int want = (g.n + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());
       const int rows = std::clamp((want + 7) / 8 * 8, 8, kAtRows);
-      at_off[s] = at_size;
+      g.at_off = at_size;
       at_size += int64_t(g.r) * in;
-      for (int j = 0; j < g.r; j += 16) t0.push_back({s, 0, 0, j, j + 16, true});
+      for (int j = 0; j < g.r; j += 16) t0.push_back({s, 0, 0, j, j + 16});
       for (int i = 0; i < g.n; i += rows)
-        for (int j = 0; j < g.r; j += 16) t1.push_back({s, i, std::min(g.n, i + rows), j, j + 16, true});
-    } else
-#endif
-    if (!g.mm) {
+        for (int j = 0; j < g.r; j += 16) t1.push_back({s, i, std::min(g.n, i + rows), j, j + 16});
+    } else if (!g.mm) {
       const int rp = rows_per_task(int64_t(in) * std::min(g.r, kRankChunk), g.n);
       for (int i = 0; i < g.n; i += rp)
         for (int j = 0; j < g.r; j += kRankChunk)
@@ -511,17 +505,11 @@ void make_tasks(const std::vector<Seg>& segs, int in, int out, bool transposable
   }
 }
 
-// A/B builds may turn the transposed phase 1 off (-DLORA_NO_TRANSPOSED).
-#if defined(LORA_NO_TRANSPOSED) || !defined(__AVX512F__)
-constexpr bool kTransposedPhase1 = false;
-#else
-constexpr bool kTransposedPhase1 = true;
-#endif
-
-template <class V, class T>
-inline void phase0_any(const Call<T>& C, const Seg& s, const Task& k, float* at) {
+// Phase 0: the transposes of the task's segment (only float32 segments are transposed).
+template <class T>
+inline void phase0(const Call<T>& C, const Seg& s, const Task& k, float* at) {
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) transpose_a(C, s, k, at + int64_t(k.begin) * C.in);
+  if constexpr (std::is_same_v<T, float>) transpose_a(C, s, k, at + s.at_off + int64_t(k.begin) * C.in);
 #endif
 }
 
@@ -529,7 +517,7 @@ template <class V, class T>
 inline void phase1_any(const Call<T>& C, const Seg& s, const Task& k, const float* at, float* t) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
-    if (k.transposed) return phase1_at(C, s, k, at + int64_t(k.begin) * C.in, t);
+    if (s.transposed) return phase1_at(C, s, k, at + s.at_off + int64_t(k.begin) * C.in, t);
   }
 #endif
   phase1<V, T>(C, s, k, t);
@@ -541,22 +529,20 @@ inline void phase1_any(const Call<T>& C, const Seg& s, const Task& k, const floa
 #endif
 
 template <class V, class T>
-void run(const Call<T>& C, const std::vector<Seg>& segs, float* t, int64_t macs) {
+void run(const Call<T>& C, std::vector<Seg>& segs, float* t, int64_t macs) {
   std::vector<Task> t0, t1, t2;
-  std::vector<int64_t> at_off;
   int64_t at_size = 0;
-  make_tasks(segs, C.in, C.out, kTransposedPhase1 && std::is_same_v<T, float>, t0, t1, t2, at_off, at_size);
-  static thread_local std::vector<float> at_scratch;
+  make_tasks(segs, C.in, C.out, t0, t1, t2, at_size);
+  static thread_local std::vector<float> at_scratch;  // the transposed segments' At chunks
   if (int64_t(at_scratch.size()) < at_size) at_scratch.resize(at_size);
   float* at = at_scratch.data();
-  auto at_of = [&](const Task& k) { return at + std::max<int64_t>(0, at_off[k.seg]); };
   const int64_t n0 = int64_t(t0.size()), n1 = int64_t(t1.size()), n2 = int64_t(t2.size());
   const int64_t by_work = std::max<int64_t>(1, macs / kThreadMacs);
   const int threads = int(std::min<int64_t>({int64_t(at::get_num_threads()), by_work, std::max(n1, n2)}));
   constexpr bool p1 = LORA_PHASES & 1, p2 = LORA_PHASES & 2;
   if (threads <= 1) {
-    if (p1) for (const Task& k : t0) phase0_any<V, T>(C, segs[k.seg], k, at_of(k));
-    if (p1) for (const Task& k : t1) phase1_any<V, T>(C, segs[k.seg], k, at_of(k), t);
+    if (p1) for (const Task& k : t0) phase0<T>(C, segs[k.seg], k, at);
+    if (p1) for (const Task& k : t1) phase1_any<V, T>(C, segs[k.seg], k, at, t);
     if (p2) for (const Task& k : t2) phase2<V, T>(C, segs[k.seg], k, t);
     return;
   }
@@ -565,10 +551,10 @@ void run(const Call<T>& C, const std::vector<Seg>& segs, float* t, int64_t macs)
     if (p1) {
       if (n0 > 0) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t j = 0; j < n0; ++j) phase0_any<V, T>(C, segs[t0[j].seg], t0[j], at_of(t0[j]));
+        for (int64_t j = 0; j < n0; ++j) phase0<T>(C, segs[t0[j].seg], t0[j], at);
       }
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t j = 0; j < n1; ++j) phase1_any<V, T>(C, segs[t1[j].seg], t1[j], at_of(t1[j]), t);
+      for (int64_t j = 0; j < n1; ++j) phase1_any<V, T>(C, segs[t1[j].seg], t1[j], at, t);
     }
     if (p2) {
 #pragma omp for schedule(dynamic, 1)
@@ -647,7 +633,7 @@ std::vector<Seg> read_segments(const at::Tensor& x, const at::Tensor& y, const a
     if (r == 0 || n == 0) continue;
     TORCH_CHECK(ao[s] >= 0 && ao[s] + r * in <= sa.numel(), "segment ", s, ": A out of storage_a");
     TORCH_CHECK(bo[s] >= 0 && bo[s] + r * out_p <= sb.numel(), "segment ", s, ": B out of storage_b");
-    segs.push_back({st[s], int(n), int(r), ao[s], bo[s], sc[s], 0, false});
+    segs.push_back({st[s], int(n), int(r), ao[s], bo[s], sc[s], 0, false, false, 0});
   }
   return segs;
 }
@@ -660,8 +646,8 @@ void sgmv_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& sa, const a
   int64_t t_size = 0, macs = 0;
   for (Seg& s : segs) {
     s.t_off = t_size;
-    s.mm = mm_min_rows > 0 && s.n >= mm_min_rows && s.r >= mm_min_rank &&
-           !takes_transposed(s, kTransposedPhase1 && std::is_same_v<T, float>);
+    s.transposed = takes_transposed<T>(s);  // it also beats BLAS where it applies
+    s.mm = !s.transposed && mm_min_rows > 0 && s.n >= mm_min_rows && s.r >= mm_min_rank;
     t_size += int64_t(s.n) * s.r;
     macs += int64_t(s.n) * s.r * ((s.mm ? 0 : C.in) + C.out);
   }
