@@ -2,8 +2,8 @@
 
 Shapes of the 125M benchmark Llama (hidden 768, intermediate 2048, 12 heads / 4 KV heads of
 64): per layer, the base step is 4 matmuls (fused qkv, o, fused gate_up, down) and the LoRA
-step 7 `lora_apply` calls (q, k, v, o, gate, up, down) adding into column slices of the
-fused outputs, with the adapters' weights in a real paged KV cache (block 16, fp32).
+step 4 calls (q/k/v, o, gate/up, down: one per fused projection, as the engine makes
+them) adding into column slices of the fused outputs, with the adapters' weights in a real paged KV cache (block 16, fp32).
 
 `--layers` distinct layers are cycled (weights, caches), so nothing stays in the 32 MB L3
 between uses, as in a 12-layer model. Every repetition times one pass over the layers for
@@ -46,6 +46,10 @@ DIMS = {"q_proj": (HIDDEN, Q), "k_proj": (HIDDEN, KV), "v_proj": (HIDDEN, KV),
 SLICES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", Q), "v_proj": ("qkv", Q + KV),
           "o_proj": ("o", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", INTER),
           "down_proj": ("down", 0)}
+# Fused output -> (TARGETABLE index, first column, end column) of each module writing into it.
+FUSED = {out: [(TARGETABLE.index(name), col, col + DIMS[name][1])
+               for name, (o, col) in SLICES.items() if o == out]
+         for out in ("qkv", "o", "gate_up", "down")}
 MIXED = (8, 16, 32, 64)
 
 
@@ -121,12 +125,11 @@ class Bench:
 
     def lora_step(self, segs: LoRASegments, x_h: torch.Tensor, x_i: torch.Tensor,
                   outs: dict[str, torch.Tensor]) -> None:
+        """One call per fused projection, as `LoRALinear` makes them."""
         for layer, (sa, sb) in enumerate(self.storages):
-            for m, name in enumerate(TARGETABLE):
-                out_name, col = SLICES[name]
-                y = outs[out_name][:, col : col + DIMS[name][1]]
-                x = x_i if name == "down_proj" else x_h
-                segs.apply(y, x, sa, sb, layer, m)
+            for out_name, modules in FUSED.items():
+                x = x_i if out_name == "down" else x_h
+                segs.apply(outs[out_name], x, sa, sb, segs.slices(layer, modules))
 
     def segments(self, counts: list[int], ranks: list[int]) -> LoRASegments:
         """counts[i] tokens for adapter i of rank ranks[i], adapters placed in the cache."""

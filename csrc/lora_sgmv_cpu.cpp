@@ -1,6 +1,7 @@
-// Multi-LoRA "SGMV" for CPU: one call adds every segment's LoRA delta of one (layer, module)
+// Multi-LoRA "SGMV" for CPU: one call adds every segment's LoRA delta of one (layer, module),
+// or of the modules of one fused projection (q/k/v, gate/up), each into its column slice of y:
 //
-//     y[rows of s, :] += scale_s * (x[rows of s] @ A_s^T) @ B_s^T        for each segment s
+//     y[rows of s, slice m] += scale_sm * (x[rows of s] @ A_sm^T) @ B_sm^T   for each s, m
 //
 // with the adapters' weights read in place from the paged KV cache (pagedserve/lora/layout.py).
 //
@@ -16,9 +17,12 @@
 //
 //   seg_starts (S + 1) int64: segment s = token rows [seg_starts[s], seg_starts[s + 1])
 //   a_off, b_off (S) int64, ranks (S) int32 (0 = skip), scales (S) float32; any 1-D stride,
-//                or contiguous (..., S) tables of which row `row` is used
+//                or contiguous (..., S) tables; slices = [row, first column, end column] per
+//                module: its values are row `row` of the tables, its output y[:, first:end)
 //
-// Two phases, both in one OpenMP region (dynamic schedule, a barrier in between):
+// Two phases, both in one OpenMP region for all modules (dynamic schedule, a barrier between).
+// One call per fused projection rather than per module: each call right after a base GEMM
+// pays ~20-50 us of cold dispatch on this host, so 4 calls a layer cost less than 7.
 //   phase 1  tasks (segment, rows, 8 ranks):   t[i, k] = scale_s * x_i . A_s[k]   fp32 scratch
 //            an "NT" product: RB rows x KB ranks dot products over `in` at once (RB * KB = W
 //            FMA chains), reduced to one vector of W sums by a transpose-add tree.
@@ -281,7 +285,7 @@ struct Call {
   int64_t ldy;
   const T* sa;
   const T* sb;
-  int in, out;
+  int in;
 };
 
 struct Seg {
@@ -293,6 +297,8 @@ struct Seg {
   bool mm;         // phase 1 by at::mm
   bool transposed; // phase 1 by phase1_at (AVX-512, float32; see takes_transposed)
   int64_t at_off;  // transposed: offset of the segment's At chunks in the At scratch
+  int64_t col;     // first y column of the segment's slice (module)
+  int out;         // columns of that slice
 };
 
 struct Task {
@@ -366,9 +372,9 @@ void phase2(const Call<T>& C, const Seg& s, const Task& k, const float* t) {
     T* yr[RB];
     for (int rb = 0; rb < RB; ++rb) {
       tr[rb] = ts + int64_t(i + rb) * s.r;
-      yr[rb] = C.y + (s.row0 + i + rb) * C.ldy;
+      yr[rb] = C.y + (s.row0 + i + rb) * C.ldy + s.col;
     }
-    panel_blocks<V, RB, U>(tr, s.r, b, k.begin, k.end, C.out, yr);
+    panel_blocks<V, RB, U>(tr, s.r, b, k.begin, k.end, s.out, yr);
   });
 }
 
@@ -478,12 +484,12 @@ inline int rows_per_task(int64_t macs_per_row, int n) {
 
 // Phase-0 tasks (t0: transposes) write a transposed segment's At chunks at its at_off +
 // begin * in floats; at_size = the floats all of them need.
-void make_tasks(std::vector<Seg>& segs, int in, int out, std::vector<Task>& t0,
-                std::vector<Task>& t1, std::vector<Task>& t2, int64_t& at_size) {
+void make_tasks(std::vector<Seg>& segs, int in, std::vector<Task>& t0, std::vector<Task>& t1,
+                std::vector<Task>& t2, int64_t& at_size) {
   at_size = 0;
-  const int cols = std::min(out, 256);  // a multiple of kPanel unless it is all of `out`
   for (int s = 0; s < int(segs.size()); ++s) {
     Seg& g = segs[s];
+    const int out = g.out, cols = std::min(out, 256);  // a multiple of kPanel unless it is all of `out`
     if (g.transposed) {
       // About two tasks per thread, 8-64 rows each.
       const int want = (g.n + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());
@@ -532,7 +538,7 @@ template <class V, class T>
 void run(const Call<T>& C, std::vector<Seg>& segs, float* t, int64_t macs) {
   std::vector<Task> t0, t1, t2;
   int64_t at_size = 0;
-  make_tasks(segs, C.in, C.out, t0, t1, t2, at_size);
+  make_tasks(segs, C.in, t0, t1, t2, at_size);
   static thread_local std::vector<float> at_scratch;  // the transposed segments' At chunks
   if (int64_t(at_scratch.size()) < at_size) at_scratch.resize(at_size);
   float* at = at_scratch.data();
@@ -613,27 +619,39 @@ PerSeg<V> per_seg(const at::Tensor& t, int64_t S, int64_t row, at::ScalarType ty
   return {t.data_ptr<V>() + row * S, 1};
 }
 
-// Per-segment records from the index tensors, bounds-checked (they address raw memory).
+// Per-(slice, segment) records from the index tensors, bounds-checked (they address raw
+// memory). `slices` = [row, first column, end column] per module, columns increasing and
+// disjoint (every y element then has one writer).
 std::vector<Seg> read_segments(const at::Tensor& x, const at::Tensor& y, const at::Tensor& sa,
                                const at::Tensor& sb, const at::Tensor& seg_starts,
                                const at::Tensor& a_off, const at::Tensor& b_off,
-                               const at::Tensor& ranks, const at::Tensor& scales, int64_t row) {
-  const int64_t S = seg_starts.numel() - 1, T = x.size(0), in = x.size(1), out_p = padded_out(y.size(1));
+                               const at::Tensor& ranks, const at::Tensor& scales,
+                               at::IntArrayRef slices) {
+  const int64_t S = seg_starts.numel() - 1, T = x.size(0), in = x.size(1);
+  TORCH_CHECK(slices.size() % 3 == 0, "slices must be [row, first column, end column] triples");
   const auto st = seg_starts.accessor<int64_t, 1>();
-  const auto ao = per_seg<int64_t>(a_off, S, row, at::kLong, "a_offsets");
-  const auto bo = per_seg<int64_t>(b_off, S, row, at::kLong, "b_offsets");
-  const auto rk = per_seg<int32_t>(ranks, S, row, at::kInt, "ranks");
-  const auto sc = per_seg<float>(scales, S, row, at::kFloat, "scales");
-  std::vector<Seg> segs;
-  segs.reserve(S);
-  for (int64_t s = 0; s < S; ++s) {
+  for (int64_t s = 0; s < S; ++s)
     TORCH_CHECK(0 <= st[s] && st[s] <= st[s + 1] && st[s + 1] <= T, "segment ", s, ": bad seg_starts");
-    const int64_t r = rk[s], n = st[s + 1] - st[s];
-    TORCH_CHECK(r >= 0, "segment ", s, ": negative rank");
-    if (r == 0 || n == 0) continue;
-    TORCH_CHECK(ao[s] >= 0 && ao[s] + r * in <= sa.numel(), "segment ", s, ": A out of storage_a");
-    TORCH_CHECK(bo[s] >= 0 && bo[s] + r * out_p <= sb.numel(), "segment ", s, ": B out of storage_b");
-    segs.push_back({st[s], int(n), int(r), ao[s], bo[s], sc[s], 0, false, false, 0});
+  std::vector<Seg> segs;
+  int64_t prev_end = 0;
+  for (size_t j = 0; j < slices.size(); j += 3) {
+    const int64_t row = slices[j], col0 = slices[j + 1], col1 = slices[j + 2];
+    TORCH_CHECK(prev_end <= col0 && col0 < col1 && col1 <= y.size(1), "slice ", j / 3,
+                ": columns [", col0, ", ", col1, ") must lie in y, increasing and disjoint");
+    prev_end = col1;
+    const int64_t out_p = padded_out(col1 - col0);
+    const auto ao = per_seg<int64_t>(a_off, S, row, at::kLong, "a_offsets");
+    const auto bo = per_seg<int64_t>(b_off, S, row, at::kLong, "b_offsets");
+    const auto rk = per_seg<int32_t>(ranks, S, row, at::kInt, "ranks");
+    const auto sc = per_seg<float>(scales, S, row, at::kFloat, "scales");
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t r = rk[s], n = st[s + 1] - st[s];
+      TORCH_CHECK(r >= 0, "segment ", s, ": negative rank");
+      if (r == 0 || n == 0) continue;
+      TORCH_CHECK(ao[s] >= 0 && ao[s] + r * in <= sa.numel(), "segment ", s, ": A out of storage_a");
+      TORCH_CHECK(bo[s] >= 0 && bo[s] + r * out_p <= sb.numel(), "segment ", s, ": B out of storage_b");
+      segs.push_back({st[s], int(n), int(r), ao[s], bo[s], sc[s], 0, false, false, 0, col0, int(col1 - col0)});
+    }
   }
   return segs;
 }
@@ -642,14 +660,14 @@ template <class T>
 void sgmv_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& sa, const at::Tensor& sb,
                std::vector<Seg>& segs, int64_t mm_min_rows, int64_t mm_min_rank) {
   const Call<T> C{x.data_ptr<T>(), x.stride(0), y.data_ptr<T>(), y.stride(0),
-                  sa.data_ptr<T>(), sb.data_ptr<T>(), int(x.size(1)), int(y.size(1))};
+                  sa.data_ptr<T>(), sb.data_ptr<T>(), int(x.size(1))};
   int64_t t_size = 0, macs = 0;
   for (Seg& s : segs) {
     s.t_off = t_size;
     s.transposed = takes_transposed<T>(s);  // it also beats BLAS where it applies
     s.mm = !s.transposed && mm_min_rows > 0 && s.n >= mm_min_rows && s.r >= mm_min_rank;
     t_size += int64_t(s.n) * s.r;
-    macs += int64_t(s.n) * s.r * ((s.mm ? 0 : C.in) + C.out);
+    macs += int64_t(s.n) * s.r * ((s.mm ? 0 : C.in) + s.out);
   }
   static thread_local std::vector<float> scratch;  // (rows, rank) blocks of every segment
   if (int64_t(scratch.size()) < t_size) scratch.resize(t_size);
@@ -666,10 +684,10 @@ void sgmv_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& sa, const a
 void lora_sgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& storage_a,
                const at::Tensor& storage_b, const at::Tensor& seg_starts, const at::Tensor& a_offsets,
                const at::Tensor& b_offsets, const at::Tensor& ranks, const at::Tensor& scales,
-               int64_t row, int64_t mm_min_rows, int64_t mm_min_rank) {
+               at::IntArrayRef slices, int64_t mm_min_rows, int64_t mm_min_rank) {
   check_inputs(y, x, storage_a, storage_b, seg_starts);
   std::vector<Seg> segs = read_segments(x, y, storage_a, storage_b, seg_starts, a_offsets, b_offsets,
-                                        ranks, scales, row);
+                                        ranks, scales, slices);
   if (segs.empty()) return;
   if (x.scalar_type() == at::kFloat) {
     sgmv_impl<float>(y, x, storage_a, storage_b, segs, mm_min_rows, mm_min_rank);
@@ -693,7 +711,7 @@ std::string isa() {
 TORCH_LIBRARY(LORA_OPS_NAMESPACE, m) {
   m.def(
       "lora_sgmv(Tensor(a!) y, Tensor x, Tensor storage_a, Tensor storage_b, Tensor seg_starts, "
-      "Tensor a_offsets, Tensor b_offsets, Tensor ranks, Tensor scales, int row, "
+      "Tensor a_offsets, Tensor b_offsets, Tensor ranks, Tensor scales, int[] slices, "
       "int mm_min_rows, int mm_min_rank) -> ()");
   m.def("isa() -> str", &isa);
   m.impl("lora_sgmv", c10::DispatchKey::CPU, &lora_sgmv);

@@ -349,7 +349,7 @@ def test_fallback_without_extension(monkeypatch, caplog) -> None:
         # The table form: row 1 of (2, S) tables whose row 0 is garbage.
         tables = [torch.stack([torch.full_like(t, 7), t]) for t in args[1:]]
         y_rows = torch.zeros_like(y)
-        kernels.lora_apply_row(y_rows, x, sa, sb, args[0], *tables, 1)
+        kernels.lora_apply_slices(y_rows, x, sa, sb, args[0], *tables, [1, 0, 45])
         assert torch.equal(y, y_rows)
     finally:
         kernels._ops_or_none.cache_clear()
@@ -458,12 +458,54 @@ def test_segments_mixed_batch(model_path) -> None:
             y = torch.zeros(len(owner), dims[name][1])
             kernels.lora_apply(y, x, sa, sb, *segs.args(layer, m))
             y_rows = torch.zeros_like(y)
-            segs.apply(y_rows, x, sa, sb, layer, m)  # the op reads the tables' row in place
+            # The op reads the tables' row in place.
+            segs.apply(y_rows, x, sa, sb, segs.slices(layer, [(m, 0, dims[name][1])]))
             assert torch.equal(y, y_rows)
             for t, k in enumerate(owner):
                 w = resident[k][0].weights.get((layer, name)) if k else None
                 want = torch.zeros(dims[name][1]) if w is None else w.scale * w.lora_b @ (w.lora_a @ x[t])
                 torch.testing.assert_close(y[t], want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_projection_slices_equal_separate_calls(model_path) -> None:
+    """One call for q/k/v (and gate/up) into column slices of one output, with gaps left
+    untouched, gives bitwise what one call per module gives; overlapping or decreasing
+    slices are refused (two tasks would write the same columns)."""
+    base, path = adapter_path(model_path, "r8-patterns")
+    _, path_b = adapter_path(model_path, "r64-rslora")
+    cfg = hf_config(base)
+    caches = make_caches(cfg, 256, torch.float32)
+    e = kernels.block_elems(caches[0], torch.float32)
+    placed, first = [], 1
+    for p in (path, path_b):
+        adapter = load(base, p)
+        layout = plan_layout(adapter, cfg.num_hidden_layers, e)
+        write_adapter(adapter, layout, caches, first, torch.float32)
+        placed.append(ResidentAdapter(layout, first))
+        first += layout.num_blocks
+    segs = build_segments([(3, placed[0]), (2, None), (130, placed[1]), (1, placed[0])],
+                          cfg.num_hidden_layers, len(TARGETABLE))
+    dims = module_dims_for(cfg)
+    tokens = 136
+    for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+        modules, col = [], 0
+        for name in names:
+            col += 3  # a gap before each slice
+            modules.append((TARGETABLE.index(name), col, col + dims[name][1]))
+            col += dims[name][1]
+        x = torch.randn(tokens, dims[names[0]][0])
+        for layer in range(cfg.num_hidden_layers):
+            sa, sb = kernels.flat_storage(caches[layer], torch.float32)
+            wide = torch.randn(tokens, col + 5)
+            fused, separate = wide.clone(), wide.clone()
+            segs.apply(fused, x, sa, sb, segs.slices(layer, modules))
+            for m, start, end in modules:
+                kernels.lora_apply(separate[:, start:end], x, sa, sb, *segs.args(layer, m))
+            assert torch.equal(fused, separate)
+            assert not torch.equal(fused, wide)
+        for bad in ([modules[1], modules[0]], [modules[0], (modules[1][0], modules[0][1], modules[1][2])]):
+            with pytest.raises(RuntimeError, match="increasing and disjoint"):
+                segs.apply(wide.clone(), x, sa, sb, segs.slices(0, bad))
 
 
 def test_kernel_long_rank16_segments(ops) -> None:

@@ -57,10 +57,8 @@ class LoRALinear(nn.Module):
         segments = _segments.get()
         if segments is None or segments.num_segments == 0:
             return y
-        x = x.contiguous()
-        for module, start, end in self.slices:
-            out = y if end - start == y.shape[1] else y[:, start:end]
-            segments.apply(out, x, self.storage_a, self.storage_b, self.layer_idx, module)
+        segments.apply(y, x.contiguous(), self.storage_a, self.storage_b,
+                       segments.slices(self.layer_idx, self.slices))
         return y
 
 

@@ -12,8 +12,9 @@ leading / trailing ones fall outside [seg_starts[0], seg_starts[S]). Sorting a s
 requests by adapter therefore makes segments as long as they can be.
 
 Tables are contiguous (num_layers, num_modules, S): `segments.apply(y, x, storage_a,
-storage_b, layer, module)` has the op read row (layer, module) in place (the fast path);
-`segments.args(layer, module)` gives (S,) views for `lora_apply`.
+storage_b, segments.slices(layer, modules))` has the op read rows (layer, module) in place,
+all of a fused projection's modules in one call (the fast path); `segments.args(layer,
+module)` gives (S,) views for `lora_apply`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.lora.kernels import lora_apply_row
+from pagedserve.lora.kernels import lora_apply_slices
 from pagedserve.lora.layout import AdapterLayout
 
 
@@ -54,20 +55,23 @@ class LoRASegments:
         return (self.seg_starts, self.a_offsets[layer, module], self.b_offsets[layer, module],
                 self.ranks[layer, module], self.scales[layer, module])
 
+    def slices(self, layer: int, modules: Sequence[tuple[int, int, int]]) -> list[int]:
+        """`lora_apply_slices`' slices for (module, first column, end column) of one layer."""
+        per_layer = self.a_offsets.shape[1]
+        return [v for m, start, end in modules for v in (layer * per_layer + m, start, end)]
+
     def apply(
         self,
         y: torch.Tensor,
         x: torch.Tensor,
         storage_a: torch.Tensor,
         storage_b: torch.Tensor,
-        layer: int,
-        module: int,
+        slices: list[int],
     ) -> None:
-        """`lora_apply(y, x, storage_a, storage_b, *self.args(layer, module))`, without the
-        four Python views (~6 us a call): the op reads row (layer, module) of the tables."""
-        lora_apply_row(y, x, storage_a, storage_b, self.seg_starts, self.a_offsets,
-                       self.b_offsets, self.ranks, self.scales,
-                       layer * self.a_offsets.shape[1] + module)
+        """y[:, first:end] += each module's deltas, for `slices` from `self.slices`: one op
+        call reading the tables in place (no Python views, ~1.5 us each)."""
+        lora_apply_slices(y, x, storage_a, storage_b, self.seg_starts, self.a_offsets,
+                          self.b_offsets, self.ranks, self.scales, slices)
 
 
 def _key(adapter: ResidentAdapter | None) -> int:
