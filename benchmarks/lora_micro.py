@@ -92,13 +92,15 @@ def place_adapters(ranks: list[int], num_layers: int, block_elems: int) -> list[
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.dtype = getattr(torch, args.dtype)
+        # Adapters' dtype in the pool (the engine's lora_dtype); the cache keeps the model's.
+        self.lora_dtype = getattr(torch, getattr(args, "lora_dtype", None) or args.dtype)
         self.reps, self.num_layers = args.reps, args.layers
-        self.block_elems = BLOCK * KV_HEADS * HEAD_DIM
+        self.block_elems = BLOCK * KV_HEADS * HEAD_DIM * self.dtype.itemsize // self.lora_dtype.itemsize
         # Enough blocks for the largest scenario: 256 adapters, ranks mixed evenly.
         placed = place_adapters(list(MIXED), self.num_layers, self.block_elems)
         max_blocks = 64 * sum(p.layout.num_blocks for p in placed)
         self.layers = make_layers(self.num_layers, max_blocks, self.dtype)
-        self.storages = [kernels.flat_storage(layer.kv, self.dtype) for layer in self.layers]
+        self.storages = [kernels.flat_storage(layer.kv, self.lora_dtype) for layer in self.layers]
 
     def time_step(self, tokens: int, segs: LoRASegments | None) -> tuple[float, float]:
         """(base, lora) seconds per layer, minimum over repetitions."""
@@ -140,7 +142,7 @@ class Bench:
     def row(self, label: str, tokens: int, counts: list[int], ranks: list[int]) -> float:
         segs = self.segments(counts, ranks)
         base, lora = self.time_step(tokens, segs)
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item = self.lora_dtype.itemsize
         per_rank = sum(i + o for i, o in DIMS.values())
         read = sum(r * per_rank for r in ranks) * item
         flops = 2 * sum(n * r * per_rank for n, r in zip(counts, ranks, strict=True))
@@ -214,12 +216,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--lora-dtype", default=None, choices=["float32", "bfloat16"],
+                        help="adapters' dtype in the pool (default: --dtype)")
     parser.add_argument("--sweep-mm", action="store_true", help="only the BLAS threshold sweep")
     parser.add_argument("--quick", action="store_true", help="fewer adapter counts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"kernel: {kernels.load_extension().isa()}, threads {args.threads}, {args.dtype}, "
+    print(f"kernel: {kernels.load_extension().isa()}, threads {args.threads}, {args.dtype} "
+          f"(adapters {args.lora_dtype or args.dtype}), "
           f"{args.layers} layers cycled, BLAS phase 1 from {kernels.MM_MIN_ROWS} tokens and rank "
           f"{kernels.MM_MIN_RANK}, "
           f"memory read {read_bandwidth():.1f} GB/s")

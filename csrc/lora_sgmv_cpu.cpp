@@ -5,7 +5,8 @@
 //
 // with the adapters' weights read in place from the paged KV cache (pagedserve/lora/layout.py).
 //
-// Layouts (element offsets in the LoRA dtype T = float or bfloat16):
+// Layouts (offsets count elements of the LoRA dtype W; activations x, y are of dtype T; each
+// of T, W is float or bfloat16, in any combination; products accumulate in float32):
 //   x          (T_tok, in)   rows may be strided, columns contiguous
 //   y          (T_tok, out)  usually a column slice of a wider output (fused qkv / gate_up):
 //                            row stride >= out, columns contiguous
@@ -188,11 +189,11 @@ using VecBest = VecScalar;
 
 // out[rb * KB + kb] = u[rb] . w_kb over L elements, w_kb = w0 + min(kb, nk - 1) * ws (rows past
 // nk repeat the last one; the caller ignores them). out has V::W floats.
-template <class V, int RB, int KB, class T>
-inline void dots(const T* const* u, const T* w0, int64_t ws, int nk, int L, float* out) {
+template <class V, int RB, int KB, class T, class W>
+inline void dots(const T* const* u, const W* w0, int64_t ws, int nk, int L, float* out) {
   static_assert(RB * KB <= V::W, "RB x KB accumulators must fit one reduce");
   using R = typename V::R;
-  const T* w[KB];
+  const W* w[KB];
   for (int kb = 0; kb < KB; ++kb) w[kb] = w0 + int64_t(std::min(kb, nk - 1)) * ws;
   R acc[V::W];
   for (int i = 0; i < V::W; ++i) acc[i] = V::zero();
@@ -218,8 +219,8 @@ inline void dots(const T* const* u, const T* w0, int64_t ws, int nk, int L, floa
 
 // `dots` with the smallest power-of-two KB <= W / RB covering nk rows; returns that KB (the
 // row stride of `out`). min(nk, KB) rows are done.
-template <class V, int RB, int KB, class T>
-inline int dots_fit(const T* const* u, const T* w0, int64_t ws, int nk, int L, float* out) {
+template <class V, int RB, int KB, class T, class W>
+inline int dots_fit(const T* const* u, const W* w0, int64_t ws, int nk, int L, float* out) {
   if constexpr (KB > 1) {
     if (nk <= KB / 2) return dots_fit<V, RB, KB / 2>(u, w0, ws, nk, L, out);
   }
@@ -238,10 +239,10 @@ inline void add_into(bf16* y, const float* v, int n) {
 
 // y[rb][c .. c + W) += sum_k t[rb][k] * B(c.., k) for the U vectors c = o + u * W (< out).
 // B(c, k) sits at panel(c) + k * kPanel; RB * U independent FMA chains over k.
-template <class V, int RB, int U, class T>
-inline void panel_block(const float* const* t, int r, const T* b, int o, int out, T* const* y) {
+template <class V, int RB, int U, class W, class T>
+inline void panel_block(const float* const* t, int r, const W* b, int o, int out, T* const* y) {
   using R = typename V::R;
-  const T* col[U];
+  const W* col[U];
   for (int u = 0; u < U; ++u) {
     const int c = o + u * V::W;
     col[u] = b + int64_t(c / kPanel) * kPanel * r + c % kPanel;
@@ -277,14 +278,15 @@ inline void panel_block(const float* const* t, int r, const T* b, int o, int out
 
 // ---- tasks ------------------------------------------------------------------------------
 
-template <class T>
+// T: activations (x, y); W: the adapters' weights in the pool (the LoRA dtype).
+template <class T, class W>
 struct Call {
   const T* x;
   int64_t ldx;
   T* y;
   int64_t ldy;
-  const T* sa;
-  const T* sb;
+  const W* sa;
+  const W* sb;
   int in;
 };
 
@@ -323,8 +325,8 @@ inline void by_rows(int i0, int i1, F f) {
 // cut into chunks of kChunk, outermost, so that the task's A chunk (<= 8 rows x 2 KB) stays
 // in L1 while row blocks pass over it. (Unchunked, or 16 ranks per task, in = 2048 measured
 // 2-2.5x slower: the A rows, 8 KB apart, all map to the same L1 sets.)
-template <class V, class T>
-void phase1(const Call<T>& C, const Seg& s, const Task& k, float* t) {
+template <class V, class T, class W>
+void phase1(const Call<T, W>& C, const Seg& s, const Task& k, float* t) {
   float* ts = t + s.t_off;
   for (int i = k.row0; i < k.row1; ++i) std::fill_n(ts + int64_t(i) * s.r + k.begin, k.end - k.begin, 0.f);
   for (int l0 = 0; l0 < C.in; l0 += kChunk) {
@@ -336,7 +338,7 @@ void phase1(const Call<T>& C, const Seg& s, const Task& k, float* t) {
       const T* u[RB];
       for (int rb = 0; rb < RB; ++rb) u[rb] = C.x + (s.row0 + i + rb) * C.ldx + l0;
       for (int j = k.begin; j < k.end;) {
-        const T* a = C.sa + s.a + int64_t(j) * C.in + l0;
+        const W* a = C.sa + s.a + int64_t(j) * C.in + l0;
         const int kb_used = dots_fit<V, RB, KB>(u, a, C.in, k.end - j, L, out);
         const int done = std::min(kb_used, k.end - j);
         for (int rb = 0; rb < RB; ++rb)
@@ -348,8 +350,8 @@ void phase1(const Call<T>& C, const Seg& s, const Task& k, float* t) {
 }
 
 // Columns [o, end) in groups of U vectors, the remainder in halving groups.
-template <class V, int RB, int U, class T>
-inline void panel_blocks(const float* const* t, int r, const T* b, int o, int end, int out,
+template <class V, int RB, int U, class W, class T>
+inline void panel_blocks(const float* const* t, int r, const W* b, int o, int end, int out,
                          T* const* y) {
   for (; o + U * V::W <= end; o += U * V::W) panel_block<V, RB, U>(t, r, b, o, out, y);
   if constexpr (U > 1) {
@@ -360,10 +362,10 @@ inline void panel_blocks(const float* const* t, int r, const T* b, int o, int en
 }
 
 // y[i, cols] += t_i . B for the task's rows and columns, RB rows x U vectors at a time.
-template <class V, class T>
-void phase2(const Call<T>& C, const Seg& s, const Task& k, const float* t) {
+template <class V, class T, class W>
+void phase2(const Call<T, W>& C, const Seg& s, const Task& k, const float* t) {
   const float* ts = t + s.t_off;
-  const T* b = C.sb + s.b;
+  const W* b = C.sb + s.b;
   by_rows<V>(k.row0, k.row1, [&](auto rb_c, int i) {
     constexpr int RB = decltype(rb_c)::value;
     // 16 accumulators with 32 vector registers (+5-15% over 8, measured), 8 with 16.
@@ -430,19 +432,20 @@ inline void transpose16(__m512 (&r)[16]) {
 
 // At (in, 16) of ranks [k.begin, k.begin + 16) of the segment's A, written once per call
 // (phase 0) into `at`, which every phase-1 task of those ranks then reads.
-void transpose_a(const Call<float>& C, const Seg& s, const Task& k, float* at) {
-  const float* a = C.sa + s.a + int64_t(k.begin) * C.in;
+template <class W>
+void transpose_a(const Call<float, W>& C, const Seg& s, const Task& k, float* at) {
+  const W* a = C.sa + s.a + int64_t(k.begin) * C.in;
   for (int l0 = 0; l0 < C.in; l0 += 16) {
     const int n = std::min(16, C.in - l0);
-    const __mmask16 mask = __mmask16((1u << n) - 1);
     __m512 r[16];
-    for (int j = 0; j < 16; ++j) r[j] = _mm512_maskz_loadu_ps(mask, a + int64_t(j) * C.in + l0);
+    for (int j = 0; j < 16; ++j) r[j] = Vec512::load_n(a + int64_t(j) * C.in + l0, n);
     transpose16(r);
     for (int c = 0; c < n; ++c) _mm512_storeu_ps(at + int64_t(l0 + c) * 16, r[c]);
   }
 }
 
-void phase1_at(const Call<float>& C, const Seg& s, const Task& k, const float* at, float* t) {
+template <class W>
+void phase1_at(const Call<float, W>& C, const Seg& s, const Task& k, const float* at, float* t) {
   float* ts = t + s.t_off;
   int i = k.row0;
   auto block = [&](auto mt_c) {
@@ -482,6 +485,12 @@ inline int rows_per_task(int64_t macs_per_row, int n) {
   return int(std::min<int64_t>(n, std::max<int64_t>(4, rows / 4 * 4)));
 }
 
+// want rounded down to a multiple of unit (unit is a multiple of kPanel, or all of `total`),
+// clamped to [unit, total]: how many ranks (phase 1) or columns (phase 2) one task takes.
+inline int ranks_per_task(int64_t want, int unit, int total) {
+  return int(std::clamp<int64_t>(want / unit * unit, std::min(unit, total), total));
+}
+
 // Phase-0 tasks (t0: transposes) write a transposed segment's At chunks at its at_off +
 // begin * in floats; at_size = the floats all of them need.
 void make_tasks(std::vector<Seg>& segs, int in, std::vector<Task>& t0, std::vector<Task>& t1,
@@ -500,33 +509,39 @@ void make_tasks(std::vector<Seg>& segs, int in, std::vector<Task>& t0, std::vect
       for (int i = 0; i < g.n; i += rows)
         for (int j = 0; j < g.r; j += 16) t1.push_back({s, i, std::min(g.n, i + rows), j, j + 16});
     } else if (!g.mm) {
+      // Short segments (decode: one row per adapter) get several rank chunks per task: with
+      // no rows to reuse A over, a task of 8 ranks x 1 row is mostly scheduling overhead.
       const int rp = rows_per_task(int64_t(in) * std::min(g.r, kRankChunk), g.n);
+      const int ranks = ranks_per_task(kTaskMacs / (int64_t(rp) * in), kRankChunk, g.r);
       for (int i = 0; i < g.n; i += rp)
-        for (int j = 0; j < g.r; j += kRankChunk)
-          t1.push_back({s, i, std::min(g.n, i + rp), j, std::min(g.r, j + kRankChunk)});
+        for (int j = 0; j < g.r; j += ranks)
+          t1.push_back({s, i, std::min(g.n, i + rp), j, std::min(g.r, j + ranks)});
     }
+    // Likewise phase 2: more than `cols` columns per task when the segment is short.
     const int rp = rows_per_task(int64_t(g.r) * cols, g.n);
+    const int cols_task = ranks_per_task(kTaskMacs / (int64_t(rp) * g.r), cols, out);
     for (int i = 0; i < g.n; i += rp)
-      for (int o = 0; o < out; o += cols) t2.push_back({s, i, std::min(g.n, i + rp), o, std::min(out, o + cols)});
+      for (int o = 0; o < out; o += cols_task)
+        t2.push_back({s, i, std::min(g.n, i + rp), o, std::min(out, o + cols_task)});
   }
 }
 
 // Phase 0: the transposes of the task's segment (only float32 segments are transposed).
-template <class T>
-inline void phase0(const Call<T>& C, const Seg& s, const Task& k, float* at) {
+template <class T, class W>
+inline void phase0(const Call<T, W>& C, const Seg& s, const Task& k, float* at) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) transpose_a(C, s, k, at + s.at_off + int64_t(k.begin) * C.in);
 #endif
 }
 
-template <class V, class T>
-inline void phase1_any(const Call<T>& C, const Seg& s, const Task& k, const float* at, float* t) {
+template <class V, class T, class W>
+inline void phase1_any(const Call<T, W>& C, const Seg& s, const Task& k, const float* at, float* t) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
     if (s.transposed) return phase1_at(C, s, k, at + s.at_off + int64_t(k.begin) * C.in, t);
   }
 #endif
-  phase1<V, T>(C, s, k, t);
+  phase1<V>(C, s, k, t);
 }
 
 // Debug builds may time one phase alone (-DLORA_PHASES=1 or 2); the default runs both.
@@ -534,8 +549,8 @@ inline void phase1_any(const Call<T>& C, const Seg& s, const Task& k, const floa
 #define LORA_PHASES 3
 #endif
 
-template <class V, class T>
-void run(const Call<T>& C, std::vector<Seg>& segs, float* t, int64_t macs) {
+template <class V, class T, class W>
+void run(const Call<T, W>& C, std::vector<Seg>& segs, float* t, int64_t macs) {
   std::vector<Task> t0, t1, t2;
   int64_t at_size = 0;
   make_tasks(segs, C.in, t0, t1, t2, at_size);
@@ -547,9 +562,9 @@ void run(const Call<T>& C, std::vector<Seg>& segs, float* t, int64_t macs) {
   const int threads = int(std::min<int64_t>({int64_t(at::get_num_threads()), by_work, std::max(n1, n2)}));
   constexpr bool p1 = LORA_PHASES & 1, p2 = LORA_PHASES & 2;
   if (threads <= 1) {
-    if (p1) for (const Task& k : t0) phase0<T>(C, segs[k.seg], k, at);
-    if (p1) for (const Task& k : t1) phase1_any<V, T>(C, segs[k.seg], k, at, t);
-    if (p2) for (const Task& k : t2) phase2<V, T>(C, segs[k.seg], k, t);
+    if (p1) for (const Task& k : t0) phase0(C, segs[k.seg], k, at);
+    if (p1) for (const Task& k : t1) phase1_any<V>(C, segs[k.seg], k, at, t);
+    if (p2) for (const Task& k : t2) phase2<V>(C, segs[k.seg], k, t);
     return;
   }
 #pragma omp parallel num_threads(threads)
@@ -557,14 +572,14 @@ void run(const Call<T>& C, std::vector<Seg>& segs, float* t, int64_t macs) {
     if (p1) {
       if (n0 > 0) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t j = 0; j < n0; ++j) phase0<T>(C, segs[t0[j].seg], t0[j], at);
+        for (int64_t j = 0; j < n0; ++j) phase0(C, segs[t0[j].seg], t0[j], at);
       }
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t j = 0; j < n1; ++j) phase1_any<V, T>(C, segs[t1[j].seg], t1[j], at, t);
+      for (int64_t j = 0; j < n1; ++j) phase1_any<V>(C, segs[t1[j].seg], t1[j], at, t);
     }
     if (p2) {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t j = 0; j < n2; ++j) phase2<V, T>(C, segs[t2[j].seg], t2[j], t);
+      for (int64_t j = 0; j < n2; ++j) phase2<V>(C, segs[t2[j].seg], t2[j], t);
     }
   }
 }
@@ -572,7 +587,7 @@ void run(const Call<T>& C, std::vector<Seg>& segs, float* t, int64_t macs) {
 // Phase 1 of a long segment by BLAS: t_s = scale * x_s @ A_s^T into the fp32 scratch.
 void phase1_mm(const at::Tensor& x, const at::Tensor& sa, const Seg& s, float* t) {
   const int64_t in = x.size(1);
-  const at::Tensor a = sa.narrow(0, s.a, int64_t(s.r) * in).view({s.r, in});
+  const at::Tensor a = sa.narrow(0, s.a, int64_t(s.r) * in).view({s.r, in}).to(x.scalar_type());
   at::Tensor ts = at::from_blob(t + s.t_off, {s.n, s.r}, x.options().dtype(at::kFloat));
   ts.copy_(at::mm(x.narrow(0, s.row0, s.n), a.t()));
   ts.mul_(s.scale);
@@ -589,10 +604,11 @@ void check_inputs(const at::Tensor& y, const at::Tensor& x, const at::Tensor& sa
   TORCH_CHECK(y.stride(0) >= y.size(1) && x.stride(0) >= x.size(1), "x / y rows overlap");
   TORCH_CHECK(sa.dim() == 1 && sb.dim() == 1 && sa.is_contiguous() && sb.is_contiguous(),
               "storage_a / storage_b must be flat contiguous");
-  const auto dt = x.scalar_type();
-  TORCH_CHECK(y.scalar_type() == dt && sa.scalar_type() == dt && sb.scalar_type() == dt,
-              "x, y and the storages must share a dtype");
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "lora_sgmv: float32 or bfloat16 only");
+  const auto dt = x.scalar_type(), wt = sa.scalar_type();
+  TORCH_CHECK(y.scalar_type() == dt && sb.scalar_type() == wt,
+              "x and y must share a dtype, and so must storage_a and storage_b");
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && (wt == at::kFloat || wt == at::kBFloat16),
+              "lora_sgmv: float32 or bfloat16 activations and weights only");
   TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu(), "lora_sgmv: CPU tensors only");
   TORCH_CHECK(seg_starts.dim() == 1 && seg_starts.numel() >= 1 && seg_starts.scalar_type() == at::kLong,
               "seg_starts must be (S + 1,) int64");
@@ -656,11 +672,11 @@ std::vector<Seg> read_segments(const at::Tensor& x, const at::Tensor& y, const a
   return segs;
 }
 
-template <class T>
+template <class T, class W>
 void sgmv_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& sa, const at::Tensor& sb,
                std::vector<Seg>& segs, int64_t mm_min_rows, int64_t mm_min_rank) {
-  const Call<T> C{x.data_ptr<T>(), x.stride(0), y.data_ptr<T>(), y.stride(0),
-                  sa.data_ptr<T>(), sb.data_ptr<T>(), int(x.size(1))};
+  const Call<T, W> C{x.data_ptr<T>(), x.stride(0), y.data_ptr<T>(), y.stride(0),
+                     sa.data_ptr<W>(), sb.data_ptr<W>(), int(x.size(1))};
   int64_t t_size = 0, macs = 0;
   for (Seg& s : segs) {
     s.t_off = t_size;
@@ -675,9 +691,9 @@ void sgmv_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& sa, const a
   for (const Seg& s : segs)
     if (s.mm) phase1_mm(x, sa, s, t);
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  run<VecBest, T>(C, segs, t, macs);
+  run<VecBest>(C, segs, t, macs);
 #else
-  run<VecScalar, T>(C, segs, t, macs);
+  run<VecScalar>(C, segs, t, macs);
 #endif
 }
 
@@ -689,10 +705,15 @@ void lora_sgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& storage_a,
   std::vector<Seg> segs = read_segments(x, y, storage_a, storage_b, seg_starts, a_offsets, b_offsets,
                                         ranks, scales, slices);
   if (segs.empty()) return;
-  if (x.scalar_type() == at::kFloat) {
-    sgmv_impl<float>(y, x, storage_a, storage_b, segs, mm_min_rows, mm_min_rank);
+  const bool x_f32 = x.scalar_type() == at::kFloat, w_f32 = storage_a.scalar_type() == at::kFloat;
+  if (x_f32 && w_f32) {
+    sgmv_impl<float, float>(y, x, storage_a, storage_b, segs, mm_min_rows, mm_min_rank);
+  } else if (x_f32) {
+    sgmv_impl<float, bf16>(y, x, storage_a, storage_b, segs, mm_min_rows, mm_min_rank);
+  } else if (w_f32) {
+    sgmv_impl<bf16, float>(y, x, storage_a, storage_b, segs, mm_min_rows, mm_min_rank);
   } else {
-    sgmv_impl<bf16>(y, x, storage_a, storage_b, segs, mm_min_rows, mm_min_rank);
+    sgmv_impl<bf16, bf16>(y, x, storage_a, storage_b, segs, mm_min_rows, mm_min_rank);
   }
 }
 

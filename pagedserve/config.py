@@ -104,11 +104,17 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+_LORA_DTYPES = ("auto", "float32", "bfloat16")
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     max_loras: int = 4  # adapters resident on the device at once
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # host cache size; None = max(max_loras, 16)
+    # Adapters' dtype in the pool: "auto" = the model's; "bfloat16" halves their memory and
+    # the bytes a decode step reads (weights rounded once; products still accumulate in fp32).
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -117,6 +123,11 @@ class LoRAConfig:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.lora_dtype not in _LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {', '.join(_LORA_DTYPES)}; got {self.lora_dtype!r}")
+
+    def torch_lora_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.lora_dtype == "auto" else getattr(torch, self.lora_dtype)
 
 
 @dataclass(frozen=True)

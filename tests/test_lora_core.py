@@ -301,6 +301,28 @@ def test_kernel_bf16(ops) -> None:
         torch.testing.assert_close(y_ref.double(), expected, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize(("act", "lora"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_kernel_mixed_activation_and_adapter_dtypes(ops, monkeypatch, act, lora) -> None:
+    """Adapters stored in another dtype than the activations (lora_dtype): the kernel widens
+    the weights and accumulates in float32. All paths (dot-product, transposed and BLAS
+    phase 1) against the dense product of the stored weights."""
+    rng = random.Random(11)
+    for in_dim, out_dim in [(768, 256), (70, 45)]:
+        x, sa, sb, args, mats = random_batch(rng, in_dim, out_dim, lora)
+        x = x.to(act)
+        mats_stored = [(a.to(lora), b.to(lora)) for a, b in mats]
+        expected = dense_delta(x, args[0].tolist(), mats_stored, args[4].tolist(), out_dim)
+        tol = 1e-5 if act == torch.float32 else 2e-2
+        for mm_rows in (kernels.MM_MIN_ROWS, 8):
+            monkeypatch.setattr(kernels, "MM_MIN_ROWS", mm_rows)
+            y = torch.zeros(x.shape[0], out_dim, dtype=act)
+            kernels.lora_apply(y, x, sa, sb, *args)
+            torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol)
+        y_ref = torch.zeros(x.shape[0], out_dim, dtype=act)
+        kernels.lora_apply_reference(y_ref, x, sa, sb, *args)
+        torch.testing.assert_close(y_ref.double(), expected, rtol=tol, atol=tol)
+
+
 def test_kernel_threads_and_blas_path_agree(ops, monkeypatch) -> None:
     """Each output is computed by one task: bitwise the same for any thread count; the BLAS
     phase-1 path (long segments) agrees within float noise."""

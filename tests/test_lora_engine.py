@@ -71,6 +71,47 @@ def test_mixed_adapters_in_one_batch_equal_peft(base, adapters, prompts):
     assert changed >= 3  # the adapters really change the outputs
 
 
+def _rounded_to_bf16(adapter: LoRARequest, out) -> str:
+    """A copy of the adapter folder with every weight rounded to bfloat16 (stored as fp32)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter.lora_path, out)
+    path = out / "adapter_model.safetensors"
+    save_file({k: v.bfloat16().float() for k, v in load_file(str(path)).items()}, str(path))
+    return str(out)
+
+
+def test_bf16_adapters_equal_peft_with_bf16_rounded_weights(base, adapters, prompts, tmp_path):
+    """lora_dtype="bfloat16" stores the adapters at half the memory; the products still
+    accumulate in fp32, so the engine equals PEFT whose adapter weights were rounded to bf16."""
+    llm = LLM(base, max_model_len=256, kv_cache_memory_bytes=32 << 20, enable_lora=True, max_loras=4,
+              lora_dtype="bfloat16")
+    fp32 = LLM(base, max_model_len=256, kv_cache_memory_bytes=32 << 20, enable_lora=True, max_loras=4)
+    loras = [adapters[i % 4] for i in range(len(prompts))]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(logprobs=0), use_tqdm=False,
+                           lora_request=loras)
+    fp32.generate([{"prompt_token_ids": prompts[0]}], greedy(), use_tqdm=False, lora_request=adapters[3])
+    rounded = {a.lora_int_id: _rounded_to_bf16(a, tmp_path / a.lora_name) for a in adapters}
+    for prompt, lora, out in zip(prompts, loras, outputs, strict=True):
+        tokens = out.outputs[0].token_ids
+        path = rounded[lora.lora_int_id]
+        assert tokens == peft_greedy(base, path, prompt, NEW_TOKENS), lora.lora_name
+        model = peft_reference_model(base, path)
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + tokens])).logits[0]
+        ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        ours = torch.tensor([e[t].logprob for e, t in zip(out.outputs[0].logprobs, tokens, strict=True)])
+        assert torch.allclose(ours, ref, atol=1e-4)
+    # The rank-64 adapter takes half the KV blocks in bf16 (up to rounding to whole blocks).
+    half, full = (e.llm_engine.lora_manager.resident(adapters[3].lora_int_id).layout.num_blocks for e in (llm, fp32))
+    assert full > 1 and 2 * half in (full, full + 1)
+
+
+def test_lora_dtype_is_validated(base):
+    with pytest.raises(ValueError, match="lora_dtype"):
+        LLM(base, max_model_len=64, kv_cache_memory_bytes=8 << 20, enable_lora=True, lora_dtype="float16")
+
+
 def test_more_adapters_than_slots_evict_and_reload_identically(base, adapters, prompts):
     llm = LLM(base, max_model_len=256, kv_cache_memory_bytes=32 << 20, enable_lora=True, max_loras=2)
     manager = llm.llm_engine.lora_manager

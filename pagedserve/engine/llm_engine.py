@@ -49,11 +49,12 @@ class LLMEngine:
         self.tokenizer = None if model_cfg.skip_tokenizer_init else load_tokenizer(
             model_cfg.tokenizer or model_cfg.model
         )
+        model_dtype = model_cfg.torch_dtype(self.device)
         self.runner = ModelRunner(
-            model_cfg.model, model_cfg.torch_dtype(self.device), self.device, config.cache.block_size,
+            model_cfg.model, model_dtype, self.device, config.cache.block_size,
             quantization=model_cfg.quant_config(),
             kv_cache_dtype=config.cache.kv_cache_dtype,
-            enable_lora=config.lora is not None,
+            lora_dtype=config.lora.torch_lora_dtype(model_dtype) if config.lora else None,
         )
         hf_config = self.runner.hf_config
         self.vocab_size = self.runner.vocab_size

@@ -139,6 +139,8 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     lora.add_argument("--max-loras", type=int, default=4, help="adapters resident in the KV memory pool at once")
     lora.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
     lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in the host cache")
+    lora.add_argument("--lora-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                      help="adapters' dtype in the KV pool (auto: the model's; bfloat16 halves their memory)")
     lora.add_argument("--enable-lora-runtime-updates", action="store_true",
                       help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     lora.add_argument("--lora-dir", action="append", default=[],

@@ -41,6 +41,8 @@ class LLM:
         max_loras: adapters resident in the KV memory pool at once.
         max_lora_rank: largest adapter rank accepted.
         max_cpu_loras: adapters kept in the host cache (default max(max_loras, 16)).
+        lora_dtype: adapters' dtype in the KV pool: "auto" (the model's), "float32" or
+            "bfloat16" (half the memory and decode reads; weights rounded once).
         kv_allocation: "paged", or a contiguous baseline for benchmarks ("contiguous-max",
             "contiguous-pow2", "contiguous-oracle"; see core/contiguous.py).
         batching: "continuous", or a baseline for benchmarks ("static", "dynamic"; see
@@ -82,6 +84,7 @@ class LLM:
         max_loras: int = 4,
         max_lora_rank: int = 64,
         max_cpu_loras: int | None = None,
+        lora_dtype: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -113,7 +116,7 @@ class LLM:
                 batch_window_s=batch_window_s,
             ),
             device=device,
-            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
+            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras, lora_dtype) if enable_lora else None,
         )
         self.llm_engine = LLMEngine(config)
 

@@ -126,9 +126,10 @@ def lora_apply_slices(
     starts with cold caches (~50 us of dispatch and first-touch misses on this host).
     """
     ops = _ops_or_none()
-    if ops is None or x.dtype not in _KERNEL_DTYPES or x.device.type != "cpu":
+    if (ops is None or x.dtype not in _KERNEL_DTYPES or storage_a.dtype not in _KERNEL_DTYPES
+            or x.device.type != "cpu"):
         if ops is not None:
-            _warn_dtype_fallback(x.dtype, x.device.type)
+            _warn_dtype_fallback(x.dtype, storage_a.dtype, x.device.type)
         for row, start, end in zip(slices[::3], slices[1::3], slices[2::3], strict=True):
             per_seg = [t if t.dim() == 1 else t.reshape(-1, t.shape[-1])[row]
                        for t in (a_offsets, b_offsets, ranks, scales)]
@@ -139,8 +140,9 @@ def lora_apply_slices(
 
 
 @functools.cache
-def _warn_dtype_fallback(dtype: torch.dtype, device: str) -> None:
-    logger.warning("LoRA: no C++ kernel for %s on %s; using the torch reference", dtype, device)
+def _warn_dtype_fallback(dtype: torch.dtype, lora_dtype: torch.dtype, device: str) -> None:
+    logger.warning("LoRA: no C++ kernel for %s activations with %s adapters on %s; using the "
+                   "torch reference", dtype, lora_dtype, device)
 
 
 def lora_apply_reference(

@@ -39,7 +39,7 @@ def build_context(args: argparse.Namespace, model_path: str, default_name: str) 
     kwargs = engine_kwargs(args, model_path)
     if getattr(args, "enable_lora", False):
         kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                      max_cpu_loras=args.max_cpu_loras)
+                      max_cpu_loras=args.max_cpu_loras, lora_dtype=args.lora_dtype)
     elif getattr(args, "lora_modules", None):
         raise SystemExit("--lora-modules needs --enable-lora")
     engine = LLM(**kwargs).llm_engine

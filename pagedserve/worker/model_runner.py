@@ -78,7 +78,7 @@ class ModelRunner:
         *,
         quantization: QuantizationConfig | None = None,
         kv_cache_dtype: str = "auto",
-        enable_lora: bool = False,
+        lora_dtype: torch.dtype | None = None,
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -97,7 +97,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # LoRA: wrappers around the projections (weights already loaded by name), and the
         # manager that knows where each adapter lives (set by the engine).
-        self.lora_layers = wrap_model_for_lora(self.model) if enable_lora else []
+        # lora_dtype None: LoRA off.
+        self.lora_dtype = lora_dtype
+        self.lora_layers = wrap_model_for_lora(self.model) if lora_dtype is not None else []
         self.lora_manager: LoRAManager | None = None
 
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -128,15 +130,15 @@ class ModelRunner:
         for layer, cache in zip(self.attn_layers, self.kv_caches, strict=True):
             layer.kv_cache = cache
         for wrapper in self.lora_layers:
-            wrapper.bind(self.kv_caches[wrapper.layer_idx], self.dtype)
+            wrapper.bind(self.kv_caches[wrapper.layer_idx], self.lora_dtype)
 
     def lora_block_elems(self) -> int:
         """LoRA-dtype elements one KV block holds in each half (K or V) of a layer's cache."""
-        return block_elems(self.kv_caches[0], self.dtype)
+        return block_elems(self.kv_caches[0], self.lora_dtype)
 
     def write_adapter(self, adapter: LoRAAdapter, layout: AdapterLayout, first_block: int) -> None:
         """Copies an adapter's weights into its run of KV blocks, in every layer."""
-        write_adapter(adapter, layout, self.kv_caches, first_block, self.dtype)
+        write_adapter(adapter, layout, self.kv_caches, first_block, self.lora_dtype)
 
     def _lora_segments(self, sched: SchedulerOutput) -> LoRASegments | None:
         manager = self.lora_manager
