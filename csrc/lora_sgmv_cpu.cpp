@@ -22,9 +22,10 @@
 //                module: its values are row `row` of the tables, its output y[:, first:end)
 //
 // Two phases, both in one OpenMP region for all modules (dynamic schedule, a barrier between).
-// One call per fused projection rather than per module: each call right after a base GEMM
-// pays ~20-50 us of cold dispatch on this host, so 4 calls a layer cost less than 7.
-//   phase 1  tasks (segment, rows, 8 ranks):   t[i, k] = scale_s * x_i . A_s[k]   fp32 scratch
+// One call per fused projection rather than per module: on this host even an empty op call
+// right after a base GEMM takes 20-35 us (cold dispatch), so 4 calls a layer beat 7.
+//   phase 1  tasks (segment, rows, ranks in chunks of 8, several chunks for short segments):
+//                                               t[i, k] = scale_s * x_i . A_s[k]   fp32 scratch
 //            an "NT" product: RB rows x KB ranks dot products over `in` at once (RB * KB = W
 //            FMA chains), reduced to one vector of W sums by a transpose-add tree.
 //   phase 2  tasks (segment, rows, columns):   y[i, o:o+W] += sum_k t[i, k] * panel row k
