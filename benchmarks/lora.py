@@ -2,6 +2,7 @@
 
     python benchmarks/lora.py --result-json results/lora.json      # everything (~40 min here)
     python benchmarks/lora.py --parts sweep --adapters 1,64 --quick # smoke run
+    python benchmarks/lora.py --parts steps --num-requests 48       # LoRA cost, paired per step
 
 Workload (S-LoRA's): Poisson arrivals at --rate req/s (default saturating the engine, so
 throughput is capacity and TTFT includes queueing), input and output lengths uniform in
@@ -14,6 +15,11 @@ Parts (--parts, comma-separated):
               all-8 / mixed {8, 16, 32, 64}, alpha); ratio to the 1-adapter run of the same ranks
     merged    rank 16 on all 7 projections vs the same weights merged into the base, the
               same engine and requests (runs alternate; median of --repeats)
+    steps     the same comparison paired per step (far less noise than whole runs): with the
+              adapter merged, every step's forward runs twice on the same inputs, once with
+              the LoRA path on (merged + LoRA: the same work as LoRA on the base weights) and
+              once off (the merged model), in alternating order; the run's throughput with
+              and without the LoRA path follows from the summed forward times
     switch    heterogeneous batching vs merge-and-switch (merge one adapter into the base,
               run its queued requests, unmerge, next) for 2, 5 and 20 adapters, all queued
     coldload  per rank: disk -> host (parse + validate) and host -> device (write into the
@@ -259,6 +265,58 @@ def part_merged(args: argparse.Namespace, reqs: list[dict]) -> dict:
     return out
 
 
+def part_steps(args: argparse.Namespace, reqs: list[dict]) -> dict:
+    """Rank 16 on all 7 projections vs merged, paired per step (see the module docstring)."""
+    from pagedserve.lora import layers
+
+    adapter = make_adapters(args.model, 1, (16,), list(TARGETABLE), 1, first_id=9001)[0]
+    llm = make_llm(args, 4, 16)
+    preload(llm, [adapter], 1)
+    merge_adapter(llm, args.model, adapter)
+    runner = llm.llm_engine.runner
+    forward, build = runner.model.forward, runner._lora_segments
+    times = {"lora": 0.0, "merged": 0.0, "segments": 0.0}
+    ratios: list[float] = []
+    flip = [False]
+
+    def timed_build(sched: Any) -> Any:
+        t0 = time.perf_counter()
+        segments = build(sched)
+        times["segments"] += time.perf_counter() - t0
+        return segments
+
+    def paired_forward(*a: Any, **kw: Any) -> Any:
+        segments = layers._segments.get()
+        step = {}
+        for mode in (("merged", "lora") if flip[0] else ("lora", "merged")):
+            with layers.lora_step(segments if mode == "lora" else None):
+                t0 = time.perf_counter()
+                out = forward(*a, **kw)
+                step[mode] = time.perf_counter() - t0
+        flip[0] = not flip[0]
+        for mode, seconds in step.items():
+            times[mode] += seconds
+        ratios.append(step["lora"] / step["merged"])
+        return out  # the values do not matter: ignore_eos, fixed lengths
+
+    runner.model.forward, runner._lora_segments = paired_forward, timed_build
+    try:
+        run = run_online(llm, reqs, [adapter] * len(reqs), [0.0] * len(reqs))
+    finally:
+        runner.model.forward, runner._lora_segments = forward, build
+    wall = run["wall_s"]
+    lora_wall = wall - times["merged"]  # the run as it would be with the LoRA path only
+    merged_wall = wall - times["lora"] - times["segments"]
+    out = {"steps": len(ratios), "lora_forward_s": times["lora"], "merged_forward_s": times["merged"],
+           "segments_s": times["segments"], "step_ratio_median": statistics.median(ratios),
+           "slowdown": 1 - merged_wall / lora_wall}
+    print(f"  paired per step ({len(ratios)} steps): LoRA forwards {times['lora']:.2f} s + segment "
+          f"tables {times['segments']:.2f} s vs merged {times['merged']:.2f} s; median step "
+          f"ratio {out['step_ratio_median']:.3f}; LoRA {100 * out['slowdown']:.1f}% slower "
+          f"end to end", flush=True)
+    return out
+
+
 def part_switch(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
     """All requests queued; request i uses adapter i mod K. Batched vs merge-and-switch."""
     rows = []
@@ -381,7 +439,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF folder (default: the bench-125m random Llama)")
-    p.add_argument("--parts", default="sweep,merged,switch,coldload,int8")
+    p.add_argument("--parts", default="sweep,merged,steps,switch,coldload,int8")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--rate", type=float, default=4.0, help="Poisson req/s (0: all at once)")
     p.add_argument("--adapters", default="1,8,64,512,1000,2000")
@@ -427,6 +485,9 @@ def main() -> None:
     if "merged" in parts:
         print("merged:", flush=True)
         report["merged"] = part_merged(args, reqs)
+    if "steps" in parts:
+        print("merged, paired per step:", flush=True)
+        report["steps"] = part_steps(args, reqs)
     if "switch" in parts:
         print("merge-and-switch:", flush=True)
         report["switch"] = part_switch(args, reqs)
