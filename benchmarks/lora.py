@@ -20,6 +20,10 @@ Parts (--parts, comma-separated):
               the LoRA path on (merged + LoRA: the same work as LoRA on the base weights) and
               once off (the merged model), in alternating order; the run's throughput with
               and without the LoRA path follows from the summed forward times
+    pairs     the sweep's ratio paired per step: the K-adapter workload runs, and every step's
+              forward also runs with all its tokens on the 1-adapter run's adapter (alternating
+              order); the ratio of the two runs' throughputs follows from the summed forward
+              times (settings and --adapters as for the sweep; K = 1 is skipped)
     switch    heterogeneous batching vs merge-and-switch (merge one adapter into the base,
               run its queued requests, unmerge, next) for 2, 5 and 20 adapters, all queued
     coldload  per rank: disk -> host (parse + validate) and host -> device (write into the
@@ -187,7 +191,8 @@ def sweep_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple
     manager = llm.llm_engine.lora_manager
     result.update(num_adapters=k, ranks="mixed" if len(ranks) > 1 else str(ranks[0]), alpha=alpha,
                   distinct_used=len(used), disk_loads=manager.num_disk_loads,
-                  device_loads=manager.num_device_loads, quantization=quantization or "none")
+                  device_loads=manager.num_device_loads, quantization=quantization or "none",
+                  lora_dtype=args.lora_dtype)
     del llm
     return result
 
@@ -317,6 +322,71 @@ def part_steps(args: argparse.Namespace, reqs: list[dict]) -> dict:
     return out
 
 
+def part_pairs(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
+    """K adapters vs 1 adapter, paired per step (see the module docstring)."""
+    rows = []
+    for item in args.settings.split(","):
+        ranks_s, alpha_s = item.split(":")
+        ranks, alpha = (MIXED_RANKS if ranks_s == "mixed" else (int(ranks_s),)), float(alpha_s)
+        for k in (k for k in map(int, args.adapters.split(",")) if k > 1):
+            row = pair_point(args, reqs, k, ranks, alpha)
+            rows.append(row)
+            print(f"  K={k:5d} ranks={row['ranks']:5s} alpha={alpha:3.1f}: forwards {row['multi']:.2f} s "
+                  f"(K adapters) vs {row['single']:.2f} s (1 adapter), tables {row['multi_tables']:.2f} / "
+                  f"{row['single_tables']:.2f} s -> {row['vs_1_adapter']:.3f}x of the 1-adapter throughput "
+                  f"({row['device_loads']} device loads)", flush=True)
+    return rows
+
+
+def pair_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple[int, ...], alpha: float) -> dict:
+    from pagedserve.lora import layers
+    from pagedserve.lora.segments import build_segments
+
+    adapters = make_adapters(args.model, k, ranks, QKVO, args.distinct_files)
+    choice = adapter_choice(len(reqs), k, alpha, args.seed)
+    single = adapters[0]  # what the sweep's 1-adapter run serves (rank ranks[0])
+    llm = make_llm(args, args.max_loras, args.max_cpu_loras)
+    preload(llm, [single] + [adapters[j] for j in sorted(set(choice)) if j], args.max_cpu_loras)
+    llm.generate([{"prompt_token_ids": [11, 12]}], SamplingParams(max_tokens=1), use_tqdm=False,
+                 lora_request=single)  # resident on the device from here on
+    runner, manager = llm.llm_engine.runner, llm.llm_engine.lora_manager
+    forward, build = runner.model.forward, runner._lora_segments
+    times = {"multi": 0.0, "single": 0.0, "multi_tables": 0.0, "single_tables": 0.0}
+    state: dict[str, Any] = {"flip": False}
+
+    def both_tables(sched: Any) -> Any:
+        t0 = time.perf_counter()
+        real = build(sched)
+        t1 = time.perf_counter()
+        resident = manager.resident(single.lora_int_id)
+        state["single"] = build_segments([(it.num_new_tokens, resident) for it in sched.scheduled],
+                                         len(runner.attn_layers), len(TARGETABLE))
+        times["multi_tables"] += t1 - t0
+        times["single_tables"] += time.perf_counter() - t1
+        return real
+
+    def paired_forward(*a: Any, **kw: Any) -> Any:
+        segments = {"multi": layers._segments.get(), "single": state["single"]}
+        order = ("single", "multi") if state["flip"] else ("multi", "single")
+        state["flip"] = not state["flip"]
+        for mode in order:
+            with layers.lora_step(segments[mode]):
+                t0 = time.perf_counter()
+                out = forward(*a, **kw)
+                times[mode] += time.perf_counter() - t0
+        return out  # the values do not matter: ignore_eos, fixed lengths
+
+    runner.model.forward, runner._lora_segments = paired_forward, both_tables
+    run = run_online(llm, reqs, [adapters[j] for j in choice], arrivals(len(reqs), args.rate, args.seed))
+    wall = run["wall_s"]
+    multi_wall = wall - times["single"] - times["single_tables"]
+    single_wall = wall - times["multi"] - times["multi_tables"]
+    return {"num_adapters": k, "ranks": "mixed" if len(ranks) > 1 else str(ranks[0]), "alpha": alpha,
+            "lora_dtype": args.lora_dtype, "distinct_used": len(set(choice)),
+            "device_loads": manager.num_device_loads, **times, "wall_s": wall,
+            "vs_1_adapter": single_wall / multi_wall}
+
+
 def part_switch(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
     """All requests queued; request i uses adapter i mod K. Batched vs merge-and-switch."""
     rows = []
@@ -417,7 +487,9 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 4))
         series: dict[str, list[tuple[int, float]]] = {}
         for r in rows:
-            series.setdefault(f"ranks {r['ranks']}, alpha {r['alpha']:g}, {r['quantization']}", []).append(
+            dtype = r.get("lora_dtype", "auto")
+            name = f"ranks {r['ranks']}, alpha {r['alpha']:g}, {r['quantization']}"
+            series.setdefault(name + ("" if dtype == "auto" else f", {dtype} adapters"), []).append(
                 (r["num_adapters"], r[key]))
         for label_s, pts in series.items():
             pts.sort()
@@ -456,11 +528,15 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small workload (smoke test)")
     p.add_argument("--result-json", default=None)
     p.add_argument("--plot-dir", default=str(ROOT / "docs" / "benchmarks"))
-    p.add_argument("--plot-from", default=None, help="only redraw the plots from a --result-json file")
+    p.add_argument("--plot-from", default=None,
+                   help="only redraw the plots from --result-json files (comma-separated: their rows together)")
     args = p.parse_args()
     if args.plot_from:
-        saved = json.loads(Path(args.plot_from).read_text())
-        print(plot(saved.get("sweep", []) + saved.get("sweep_int8", []), Path(args.plot_dir)))
+        rows = []
+        for path in args.plot_from.split(","):
+            saved = json.loads(Path(path).read_text())
+            rows += saved.get("sweep", []) + saved.get("sweep_int8", [])
+        print(plot(rows, Path(args.plot_dir)))
         return
     from pagedserve.demo_models import get_model_path
 
@@ -488,6 +564,9 @@ def main() -> None:
     if "steps" in parts:
         print("merged, paired per step:", flush=True)
         report["steps"] = part_steps(args, reqs)
+    if "pairs" in parts:
+        print("K adapters vs 1, paired per step:", flush=True)
+        report["pairs"] = part_pairs(args, reqs)
     if "switch" in parts:
         print("merge-and-switch:", flush=True)
         report["switch"] = part_switch(args, reqs)
