@@ -488,8 +488,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         series: dict[str, list[tuple[int, float]]] = {}
         for r in rows:
             dtype = r.get("lora_dtype", "auto")
-            name = f"ranks {r['ranks']}, alpha {r['alpha']:g}, {r['quantization']}"
-            series.setdefault(name + ("" if dtype == "auto" else f", {dtype} adapters"), []).append(
+            series_name = f"ranks {r['ranks']}, alpha {r['alpha']:g}, {r['quantization']}"
+            series.setdefault(series_name + ("" if dtype == "auto" else f", {dtype} adapters"), []).append(
                 (r["num_adapters"], r[key]))
         for label_s, pts in series.items():
             pts.sort()
