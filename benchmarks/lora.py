@@ -552,27 +552,19 @@ def main() -> None:
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "model": args.model,
                               "settings": {k: v for k, v in vars(args).items() if k != "quick"}}
     print(f"{len(reqs)} requests, rate {args.rate} req/s, model {args.model}", flush=True)
-    if "sweep" in parts:
-        print("sweep:", flush=True)
-        report["sweep"] = part_sweep(args, reqs)
-    if "int8" in parts:
-        print("sweep, int8 base:", flush=True)
-        report["sweep_int8"] = part_sweep(args, reqs, "int8")
-    if "merged" in parts:
-        print("merged:", flush=True)
-        report["merged"] = part_merged(args, reqs)
-    if "steps" in parts:
-        print("merged, paired per step:", flush=True)
-        report["steps"] = part_steps(args, reqs)
-    if "pairs" in parts:
-        print("K adapters vs 1, paired per step:", flush=True)
-        report["pairs"] = part_pairs(args, reqs)
-    if "switch" in parts:
-        print("merge-and-switch:", flush=True)
-        report["switch"] = part_switch(args, reqs)
-    if "coldload" in parts:
-        print("cold loads:", flush=True)
-        report["coldload"] = part_coldload(args, reqs)
+    runs = [  # (--parts name, heading, report key, the part)
+        ("sweep", "sweep", "sweep", lambda: part_sweep(args, reqs)),
+        ("int8", "sweep, int8 base", "sweep_int8", lambda: part_sweep(args, reqs, "int8")),
+        ("merged", "merged", "merged", lambda: part_merged(args, reqs)),
+        ("steps", "merged, paired per step", "steps", lambda: part_steps(args, reqs)),
+        ("pairs", "K adapters vs 1, paired per step", "pairs", lambda: part_pairs(args, reqs)),
+        ("switch", "merge-and-switch", "switch", lambda: part_switch(args, reqs)),
+        ("coldload", "cold loads", "coldload", lambda: part_coldload(args, reqs)),
+    ]
+    for part, heading, key, run in runs:
+        if part in parts:
+            print(f"{heading}:", flush=True)
+            report[key] = run()
     rows = report.get("sweep", []) + report.get("sweep_int8", [])
     if rows and not args.quick:
         report["plots"] = [str(p) for p in plot(rows, Path(args.plot_dir))]
