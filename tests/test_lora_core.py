@@ -530,6 +530,52 @@ def test_fused_projection_slices_equal_separate_calls(model_path) -> None:
                 segs.apply(wide.clone(), x, sa, sb, segs.slices(0, bad))
 
 
+@pytest.mark.parametrize("tokens", [1, 48, 136])
+def test_lora_linear_over_a_packed_base_equals_the_two_ops(model_path, monkeypatch, tokens: int) -> None:
+    """`LoRALinear` over a oneDNN-prepacked projection (with a bias) runs the GEMM and the
+    deltas in one op (`lora_linear`); that must be bit for bit the base layer followed by
+    `lora_apply_slices`, which the wrapper runs when the fused op is unavailable."""
+    from torch import nn
+
+    from pagedserve.lora.layers import LoRALinear, lora_step
+    from pagedserve.models.layers.linear import MergedLinear
+    from pagedserve.quantization.packed import PACKED, onednn_available
+
+    if not onednn_available():
+        pytest.skip("torch built without oneDNN")
+    base_path, path = adapter_path(model_path, "r8-patterns")  # adapts gate and up
+    cfg = hf_config(base_path)
+    caches = make_caches(cfg, 256, torch.float32)
+    adapter = load(base_path, path)
+    e = kernels.block_elems(caches[0], torch.float32)
+    layout = plan_layout(adapter, cfg.num_hidden_layers, e)
+    write_adapter(adapter, layout, caches, 2, torch.float32)
+    dims = module_dims_for(cfg)
+    hidden, inter = dims["gate_proj"]
+    layer = MergedLinear(hidden, [inter, inter], bias=True)
+    layer.set_quant_method(PACKED)
+    layer.weight = nn.Parameter(torch.randn(2 * inter, hidden) / hidden**0.5, requires_grad=False)
+    layer.bias = nn.Parameter(torch.randn(2 * inter), requires_grad=False)
+    PACKED.process_weights_after_loading(layer)
+    wrapper = LoRALinear(layer, 0, [(TARGETABLE.index("gate_proj"), 0, inter),
+                                    (TARGETABLE.index("up_proj"), inter, 2 * inter)])
+    wrapper.bind(caches[0], torch.float32)
+    segs = build_segments([(tokens, ResidentAdapter(layout, 2))], cfg.num_hidden_layers, len(TARGETABLE))
+    x = torch.randn(tokens, hidden)
+    from pagedserve.lora import segments as segments_module
+
+    fused_op, calls = segments_module.lora_linear, []
+    monkeypatch.setattr(segments_module, "lora_linear", lambda *a: calls.append(1) or fused_op(*a))
+    with lora_step(segs):
+        fused = wrapper(x)
+    assert calls == [1]  # the one-op path ran
+    separate = layer(x)
+    kernels.lora_apply_slices(separate, x, wrapper.storage_a, wrapper.storage_b, segs.seg_starts, segs.a_offsets,
+                              segs.b_offsets, segs.ranks, segs.scales, segs.slices(0, wrapper.slices))
+    assert torch.equal(fused, separate)
+    assert not torch.equal(separate, layer(x))  # the adapter changed the output
+
+
 def test_kernel_long_rank16_segments(ops) -> None:
     """Segments with a rank multiple of 16 and >= 96 tokens (>= 32 from rank 32) take the
     transposed phase 1 (csrc: phase1_at); it must agree with the dense product and not

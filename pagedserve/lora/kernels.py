@@ -139,6 +139,32 @@ def lora_apply_slices(
                   slices, MM_MIN_ROWS, MM_MIN_RANK)
 
 
+def fused_linear_available(x: torch.Tensor, storage_a: torch.Tensor) -> bool:
+    """Whether `lora_linear` can run for these activations and adapter storage."""
+    return (x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES and storage_a.dtype in _KERNEL_DTYPES
+            and _ops_or_none() is not None)
+
+
+def lora_linear(
+    x: torch.Tensor,
+    packed_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    storage_a: torch.Tensor,
+    storage_b: torch.Tensor,
+    seg_starts: torch.Tensor,
+    a_offsets: torch.Tensor,
+    b_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scales: torch.Tensor,
+    slices: list[int],
+) -> torch.Tensor:
+    """oneDNN's linear of a prepacked weight (`quantization/packed.py`) plus the modules' LoRA
+    deltas (`lora_apply_slices`), in one op call: x (T, in) -> (T, out). Only where
+    `fused_linear_available`; the result equals the two run separately, bit for bit."""
+    return _ops_or_none().lora_linear(x, packed_weight, bias, storage_a, storage_b, seg_starts, a_offsets,
+                                      b_offsets, ranks, scales, slices, MM_MIN_ROWS, MM_MIN_RANK)
+
+
 @functools.cache
 def _warn_dtype_fallback(dtype: torch.dtype, lora_dtype: torch.dtype, device: str) -> None:
     logger.warning("LoRA: no C++ kernel for %s activations with %s adapters on %s; using the "

@@ -21,7 +21,7 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
-from pagedserve.lora.kernels import flat_storage
+from pagedserve.lora.kernels import flat_storage, fused_linear_available
 from pagedserve.lora.peft_loader import TARGETABLE
 from pagedserve.lora.segments import LoRASegments
 
@@ -53,12 +53,17 @@ class LoRALinear(nn.Module):
         self.storage_a, self.storage_b = flat_storage(kv_cache, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         segments = _segments.get()
         if segments is None or segments.num_segments == 0:
-            return y
-        segments.apply(y, x.contiguous(), self.storage_a, self.storage_b,
-                       segments.slices(self.layer_idx, self.slices))
+            return self.base(x)
+        slices = segments.slices(self.layer_idx, self.slices)
+        # A oneDNN-prepacked base (the CPU default) runs with the deltas in one op call.
+        packed = getattr(self.base, "packed_weight", None)
+        if packed is not None and x.dim() == 2 and fused_linear_available(x, self.storage_a):
+            return segments.linear(x.contiguous(), packed, getattr(self.base, "bias", None),
+                                   self.storage_a, self.storage_b, slices)
+        y = self.base(x)
+        segments.apply(y, x.contiguous(), self.storage_a, self.storage_b, slices)
         return y
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.lora.kernels import lora_apply_slices
+from pagedserve.lora.kernels import lora_apply_slices, lora_linear
 from pagedserve.lora.layout import AdapterLayout
 
 
@@ -72,6 +72,20 @@ class LoRASegments:
         call reading the tables in place (no Python views, ~1.5 us each)."""
         lora_apply_slices(y, x, storage_a, storage_b, self.seg_starts, self.a_offsets,
                           self.b_offsets, self.ranks, self.scales, slices)
+
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        packed_weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        storage_a: torch.Tensor,
+        storage_b: torch.Tensor,
+        slices: list[int],
+    ) -> torch.Tensor:
+        """The prepacked base projection of x and `apply`'s deltas, in one op (`lora_linear`)."""
+        return lora_linear(x, packed_weight, bias, storage_a, storage_b, self.seg_starts, self.a_offsets,
+                           self.b_offsets, self.ranks, self.scales, slices)
 
 
 def _key(adapter: ResidentAdapter | None) -> int:
