@@ -122,25 +122,24 @@ def lora_apply_slices(
     the module's per-segment values are row `row` of the contiguous (..., S) tables, its
     output columns y[:, first:end] (1-D (S,) tables take row 0). One call does a fused
     projection's modules (q/k/v of qkv_proj, gate/up of gate_up_proj) in one parallel
-    region: a step makes ~layers x 4 calls instead of x 7, and each call after a base GEMM
-    starts with cold caches (~50 us of dispatch and first-touch misses on this host).
+    region: a step makes ~layers x 4 calls instead of x 7, and on this host any op call right
+    after a base GEMM costs 20-35 us before it does any work.
     """
-    ops = _ops_or_none()
-    if (ops is None or x.dtype not in _KERNEL_DTYPES or storage_a.dtype not in _KERNEL_DTYPES
-            or x.device.type != "cpu"):
-        if ops is not None:
+    if not kernel_handles(x, storage_a):
+        if _ops_or_none() is not None:
             _warn_dtype_fallback(x.dtype, storage_a.dtype, x.device.type)
         for row, start, end in zip(slices[::3], slices[1::3], slices[2::3], strict=True):
             per_seg = [t if t.dim() == 1 else t.reshape(-1, t.shape[-1])[row]
                        for t in (a_offsets, b_offsets, ranks, scales)]
             lora_apply_reference(y[:, start:end], x, storage_a, storage_b, seg_starts, *per_seg)
         return
-    ops.lora_sgmv(y, x, storage_a, storage_b, seg_starts, a_offsets, b_offsets, ranks, scales,
-                  slices, MM_MIN_ROWS, MM_MIN_RANK)
+    _ops_or_none().lora_sgmv(y, x, storage_a, storage_b, seg_starts, a_offsets, b_offsets, ranks, scales,
+                             slices, MM_MIN_ROWS, MM_MIN_RANK)
 
 
-def fused_linear_available(x: torch.Tensor, storage_a: torch.Tensor) -> bool:
-    """Whether `lora_linear` can run for these activations and adapter storage."""
+def kernel_handles(x: torch.Tensor, storage_a: torch.Tensor) -> bool:
+    """Whether the C++ ops (`lora_apply_slices`' fast path, `lora_linear`) run for these
+    activations and adapter storage (float32 / bfloat16 on the CPU, extension built)."""
     return (x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES and storage_a.dtype in _KERNEL_DTYPES
             and _ops_or_none() is not None)
 
@@ -160,7 +159,7 @@ def lora_linear(
 ) -> torch.Tensor:
     """oneDNN's linear of a prepacked weight (`quantization/packed.py`) plus the modules' LoRA
     deltas (`lora_apply_slices`), in one op call: x (T, in) -> (T, out). Only where
-    `fused_linear_available`; the result equals the two run separately, bit for bit."""
+    `kernel_handles`; the result equals the two run separately, bit for bit."""
     return _ops_or_none().lora_linear(x, packed_weight, bias, storage_a, storage_b, seg_starts, a_offsets,
                                       b_offsets, ranks, scales, slices, MM_MIN_ROWS, MM_MIN_RANK)
 

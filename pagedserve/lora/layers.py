@@ -21,7 +21,7 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
-from pagedserve.lora.kernels import flat_storage, fused_linear_available
+from pagedserve.lora.kernels import flat_storage, kernel_handles
 from pagedserve.lora.peft_loader import TARGETABLE
 from pagedserve.lora.segments import LoRASegments
 
@@ -59,7 +59,7 @@ class LoRALinear(nn.Module):
         slices = segments.slices(self.layer_idx, self.slices)
         # A oneDNN-prepacked base (the CPU default) runs with the deltas in one op call.
         packed = getattr(self.base, "packed_weight", None)
-        if packed is not None and x.dim() == 2 and fused_linear_available(x, self.storage_a):
+        if packed is not None and x.dim() == 2 and kernel_handles(x, self.storage_a):
             return segments.linear(x.contiguous(), packed, getattr(self.base, "bias", None),
                                    self.storage_a, self.storage_b, slices)
         y = self.base(x)
