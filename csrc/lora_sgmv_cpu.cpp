@@ -724,7 +724,8 @@ void lora_sgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& storage_a,
 // The base projection by oneDNN with a prepacked weight (pagedserve/quantization/packed.py:
 // mkldnn::_linear_pointwise), then every module's LoRA delta added into its output, in one op.
 // The separate LoRA call it replaces comes right after the GEMM, when this host makes any op
-// call slow: in one op the engine's LoRA cost measured 5.7% against 7.4% (lora.py --parts steps).
+// call slow: in one op the engine's LoRA cost measured 6.2% against 7.4% (lora.py --parts steps,
+// medians of five).
 at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& packed_weight, const std::optional<at::Tensor>& bias,
                        const at::Tensor& storage_a, const at::Tensor& storage_b, const at::Tensor& seg_starts,
                        const at::Tensor& a_offsets, const at::Tensor& b_offsets, const at::Tensor& ranks,
