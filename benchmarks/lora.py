@@ -270,53 +270,72 @@ def part_merged(args: argparse.Namespace, reqs: list[dict]) -> dict:
     return out
 
 
-def part_steps(args: argparse.Namespace, reqs: list[dict]) -> dict:
-    """Rank 16 on all 7 projections vs merged, paired per step (see the module docstring)."""
+def paired_run(llm: LLM, alternative: Any, run: Any) -> tuple[dict, dict]:
+    """Runs `run()` with every step's forward done twice on the same inputs: once with the
+    step's own LoRA segments ("own") and once with `alternative(sched)`'s ("alt"; None = the
+    LoRA path off), in alternating order. Returns (run's result, times): summed forward
+    seconds per side, the seconds building each side's segment tables, and per-step ratios.
+
+    The run as it would be with one side only is its wall time less the other side's forward
+    and tables; the values computed do not matter (ignore_eos, fixed lengths)."""
     from pagedserve.lora import layers
 
+    runner = llm.llm_engine.runner
+    forward, build = runner.model.forward, runner._lora_segments
+    times: dict[str, Any] = {"own": 0.0, "alt": 0.0, "own_tables": 0.0, "alt_tables": 0.0, "ratios": []}
+    state: dict[str, Any] = {"flip": False}
+
+    def both_tables(sched: Any) -> Any:
+        t0 = time.perf_counter()
+        own = build(sched)
+        t1 = time.perf_counter()
+        state["alt"] = alternative(sched)
+        times["own_tables"] += t1 - t0
+        times["alt_tables"] += time.perf_counter() - t1
+        return own
+
+    def paired_forward(*a: Any, **kw: Any) -> Any:
+        segments = {"own": layers._segments.get(), "alt": state["alt"]}
+        step = {}
+        for side in (("alt", "own") if state["flip"] else ("own", "alt")):
+            with layers.lora_step(segments[side]):
+                t0 = time.perf_counter()
+                out = forward(*a, **kw)
+                step[side] = time.perf_counter() - t0
+        state["flip"] = not state["flip"]
+        for side, seconds in step.items():
+            times[side] += seconds
+        times["ratios"].append(step["own"] / step["alt"])
+        return out
+
+    runner.model.forward, runner._lora_segments = paired_forward, both_tables
+    try:
+        result = run()
+    finally:
+        runner.model.forward, runner._lora_segments = forward, build
+    return result, times
+
+
+def one_sided_walls(result: dict, times: dict) -> tuple[float, float]:
+    """(wall of the run with the own side only, wall with the alternative side only)."""
+    wall = result["wall_s"]
+    return wall - times["alt"] - times["alt_tables"], wall - times["own"] - times["own_tables"]
+
+
+def part_steps(args: argparse.Namespace, reqs: list[dict]) -> dict:
+    """Rank 16 on all 7 projections vs merged, paired per step (see the module docstring)."""
     adapter = make_adapters(args.model, 1, (16,), list(TARGETABLE), 1, first_id=9001)[0]
     llm = make_llm(args, 4, 16)
     preload(llm, [adapter], 1)
     merge_adapter(llm, args.model, adapter)
-    runner = llm.llm_engine.runner
-    forward, build = runner.model.forward, runner._lora_segments
-    times = {"lora": 0.0, "merged": 0.0, "segments": 0.0}
-    ratios: list[float] = []
-    flip = [False]
-
-    def timed_build(sched: Any) -> Any:
-        t0 = time.perf_counter()
-        segments = build(sched)
-        times["segments"] += time.perf_counter() - t0
-        return segments
-
-    def paired_forward(*a: Any, **kw: Any) -> Any:
-        segments = layers._segments.get()
-        step = {}
-        for mode in (("merged", "lora") if flip[0] else ("lora", "merged")):
-            with layers.lora_step(segments if mode == "lora" else None):
-                t0 = time.perf_counter()
-                out = forward(*a, **kw)
-                step[mode] = time.perf_counter() - t0
-        flip[0] = not flip[0]
-        for mode, seconds in step.items():
-            times[mode] += seconds
-        ratios.append(step["lora"] / step["merged"])
-        return out  # the values do not matter: ignore_eos, fixed lengths
-
-    runner.model.forward, runner._lora_segments = paired_forward, timed_build
-    try:
-        run = run_online(llm, reqs, [adapter] * len(reqs), [0.0] * len(reqs))
-    finally:
-        runner.model.forward, runner._lora_segments = forward, build
-    wall = run["wall_s"]
-    lora_wall = wall - times["merged"]  # the run as it would be with the LoRA path only
-    merged_wall = wall - times["lora"] - times["segments"]
-    out = {"steps": len(ratios), "lora_forward_s": times["lora"], "merged_forward_s": times["merged"],
-           "segments_s": times["segments"], "step_ratio_median": statistics.median(ratios),
+    result, times = paired_run(llm, lambda sched: None,  # the merged model: LoRA path off
+                               lambda: run_online(llm, reqs, [adapter] * len(reqs), [0.0] * len(reqs)))
+    lora_wall, merged_wall = one_sided_walls(result, times)
+    out = {"steps": len(times["ratios"]), "lora_forward_s": times["own"], "merged_forward_s": times["alt"],
+           "segments_s": times["own_tables"], "step_ratio_median": statistics.median(times["ratios"]),
            "slowdown": 1 - merged_wall / lora_wall}
-    print(f"  paired per step ({len(ratios)} steps): LoRA forwards {times['lora']:.2f} s + segment "
-          f"tables {times['segments']:.2f} s vs merged {times['merged']:.2f} s; median step "
+    print(f"  paired per step ({out['steps']} steps): LoRA forwards {times['own']:.2f} s + segment "
+          f"tables {times['own_tables']:.2f} s vs merged {times['alt']:.2f} s; median step "
           f"ratio {out['step_ratio_median']:.3f}; LoRA {100 * out['slowdown']:.1f}% slower "
           f"end to end", flush=True)
     return out
@@ -339,7 +358,6 @@ def part_pairs(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
 
 
 def pair_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple[int, ...], alpha: float) -> dict:
-    from pagedserve.lora import layers
     from pagedserve.lora.segments import build_segments
 
     adapters = make_adapters(args.model, k, ranks, QKVO, args.distinct_files)
@@ -350,41 +368,20 @@ def pair_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple[
     llm.generate([{"prompt_token_ids": [11, 12]}], SamplingParams(max_tokens=1), use_tqdm=False,
                  lora_request=single)  # resident on the device from here on
     runner, manager = llm.llm_engine.runner, llm.llm_engine.lora_manager
-    forward, build = runner.model.forward, runner._lora_segments
-    times = {"multi": 0.0, "single": 0.0, "multi_tables": 0.0, "single_tables": 0.0}
-    state: dict[str, Any] = {"flip": False}
 
-    def both_tables(sched: Any) -> Any:
-        t0 = time.perf_counter()
-        real = build(sched)
-        t1 = time.perf_counter()
+    def all_on_single(sched: Any) -> Any:
         resident = manager.resident(single.lora_int_id)
-        state["single"] = build_segments([(it.num_new_tokens, resident) for it in sched.scheduled],
-                                         len(runner.attn_layers), len(TARGETABLE))
-        times["multi_tables"] += t1 - t0
-        times["single_tables"] += time.perf_counter() - t1
-        return real
+        return build_segments([(item.num_new_tokens, resident) for item in sched.scheduled],
+                              len(runner.attn_layers), len(TARGETABLE))
 
-    def paired_forward(*a: Any, **kw: Any) -> Any:
-        segments = {"multi": layers._segments.get(), "single": state["single"]}
-        order = ("single", "multi") if state["flip"] else ("multi", "single")
-        state["flip"] = not state["flip"]
-        for mode in order:
-            with layers.lora_step(segments[mode]):
-                t0 = time.perf_counter()
-                out = forward(*a, **kw)
-                times[mode] += time.perf_counter() - t0
-        return out  # the values do not matter: ignore_eos, fixed lengths
-
-    runner.model.forward, runner._lora_segments = paired_forward, both_tables
-    run = run_online(llm, reqs, [adapters[j] for j in choice], arrivals(len(reqs), args.rate, args.seed))
-    wall = run["wall_s"]
-    multi_wall = wall - times["single"] - times["single_tables"]
-    single_wall = wall - times["multi"] - times["multi_tables"]
+    result, times = paired_run(llm, all_on_single, lambda: run_online(
+        llm, reqs, [adapters[j] for j in choice], arrivals(len(reqs), args.rate, args.seed)))
+    multi_wall, single_wall = one_sided_walls(result, times)
     return {"num_adapters": k, "ranks": "mixed" if len(ranks) > 1 else str(ranks[0]), "alpha": alpha,
             "lora_dtype": args.lora_dtype, "distinct_used": len(set(choice)),
-            "device_loads": manager.num_device_loads, **times, "wall_s": wall,
-            "vs_1_adapter": single_wall / multi_wall}
+            "device_loads": manager.num_device_loads, "multi": times["own"], "single": times["alt"],
+            "multi_tables": times["own_tables"], "single_tables": times["alt_tables"],
+            "wall_s": result["wall_s"], "vs_1_adapter": single_wall / multi_wall}
 
 
 def part_switch(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:

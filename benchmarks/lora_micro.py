@@ -3,7 +3,8 @@
 Shapes of the 125M benchmark Llama (hidden 768, intermediate 2048, 12 heads / 4 KV heads of
 64): per layer, the base step is 4 matmuls (fused qkv, o, fused gate_up, down) and the LoRA
 step 4 calls (q/k/v, o, gate/up, down: one per fused projection, as the engine makes
-them) adding into column slices of the fused outputs, with the adapters' weights in a real paged KV cache (block 16, fp32).
+them) adding into column slices of the fused outputs, with the adapters' weights in a real
+paged KV cache (block 16, fp32).
 
 `--layers` distinct layers are cycled (weights, caches), so nothing stays in the 32 MB L3
 between uses, as in a 12-layer model. Every repetition times one pass over the layers for
@@ -35,7 +36,7 @@ import torch
 from pagedserve.lora import kernels
 from pagedserve.lora.layout import plan_layout
 from pagedserve.lora.peft_loader import TARGETABLE, LoRAAdapter, LoRAModuleWeights
-from pagedserve.lora.segments import LoRASegments, ResidentAdapter, build_segments
+from pagedserve.lora.segments import LoRASegments, ResidentAdapter, build_segments, table_slices
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 768, 2048, 12, 4, 64, 16
 Q, KV = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
@@ -131,7 +132,7 @@ class Bench:
         for layer, (sa, sb) in enumerate(self.storages):
             for out_name, modules in FUSED.items():
                 x = x_i if out_name == "down" else x_h
-                segs.apply(outs[out_name], x, sa, sb, segs.slices(layer, modules))
+                segs.apply(outs[out_name], x, sa, sb, table_slices(layer, modules))
 
     def segments(self, counts: list[int], ranks: list[int]) -> LoRASegments:
         """counts[i] tokens for adapter i of rank ranks[i], adapters placed in the cache."""

@@ -489,9 +489,9 @@ inline int rows_per_task(int64_t macs_per_row, int n) {
   return int(std::min<int64_t>(n, std::max<int64_t>(4, rows / 4 * 4)));
 }
 
-// want rounded down to a multiple of unit (unit is a multiple of kPanel, or all of `total`),
-// clamped to [unit, total]: how many ranks (phase 1) or columns (phase 2) one task takes.
-inline int ranks_per_task(int64_t want, int unit, int total) {
+// How many ranks (phase 1, unit kRankChunk) or columns (phase 2, unit a multiple of kPanel)
+// one task takes: want rounded down to a multiple of unit, clamped to [unit, total].
+inline int task_span(int64_t want, int unit, int total) {
   return int(std::clamp<int64_t>(want / unit * unit, std::min(unit, total), total));
 }
 
@@ -516,14 +516,14 @@ void make_tasks(std::vector<Seg>& segs, int in, std::vector<Task>& t0, std::vect
       // Short segments (decode: one row per adapter) get several rank chunks per task: with
       // no rows to reuse A over, a task of 8 ranks x 1 row is mostly scheduling overhead.
       const int rp = rows_per_task(int64_t(in) * std::min(g.r, kRankChunk), g.n);
-      const int ranks = ranks_per_task(kTaskMacs / (int64_t(rp) * in), kRankChunk, g.r);
+      const int ranks = task_span(kTaskMacs / (int64_t(rp) * in), kRankChunk, g.r);
       for (int i = 0; i < g.n; i += rp)
         for (int j = 0; j < g.r; j += ranks)
           t1.push_back({s, i, std::min(g.n, i + rp), j, std::min(g.r, j + ranks)});
     }
     // Likewise phase 2: more than `cols` columns per task when the segment is short.
     const int rp = rows_per_task(int64_t(g.r) * cols, g.n);
-    const int cols_task = ranks_per_task(kTaskMacs / (int64_t(rp) * g.r), cols, out);
+    const int cols_task = task_span(kTaskMacs / (int64_t(rp) * g.r), cols, out);
     for (int i = 0; i < g.n; i += rp)
       for (int o = 0; o < out; o += cols_task)
         t2.push_back({s, i, std::min(g.n, i + rp), o, std::min(out, o + cols_task)});
@@ -724,8 +724,8 @@ void lora_sgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& storage_a,
 // The base projection by oneDNN with a prepacked weight (pagedserve/quantization/packed.py:
 // mkldnn::_linear_pointwise), then every module's LoRA delta added into its output, in one op.
 // The separate LoRA call it replaces comes right after the GEMM, when this host makes any op
-// call slow: in one op the engine's LoRA cost measured 6.2% against 7.4% (lora.py --parts steps,
-// medians of five).
+// call slow: in one op the engine's LoRA cost measured 6.6% against 7.4% (lora.py --parts steps,
+// medians of six and five runs).
 at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& packed_weight, const std::optional<at::Tensor>& bias,
                        const at::Tensor& storage_a, const at::Tensor& storage_b, const at::Tensor& seg_starts,
                        const at::Tensor& a_offsets, const at::Tensor& b_offsets, const at::Tensor& ranks,

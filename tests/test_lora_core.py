@@ -28,7 +28,7 @@ from pagedserve.lora.peft_loader import (
     module_dims_for,
 )
 from pagedserve.lora.request import LoRARequest
-from pagedserve.lora.segments import ResidentAdapter, build_segments
+from pagedserve.lora.segments import ResidentAdapter, build_segments, table_slices
 from pagedserve.worker.kv_cache import KVCacheSpec, allocate_kv_caches
 
 from lora_utils import make_peft_adapter, peft_module_deltas, peft_reference_model
@@ -481,7 +481,7 @@ def test_segments_mixed_batch(model_path) -> None:
             kernels.lora_apply(y, x, sa, sb, *segs.args(layer, m))
             y_rows = torch.zeros_like(y)
             # The op reads the tables' row in place.
-            segs.apply(y_rows, x, sa, sb, segs.slices(layer, [(m, 0, dims[name][1])]))
+            segs.apply(y_rows, x, sa, sb, table_slices(layer, [(m, 0, dims[name][1])]))
             assert torch.equal(y, y_rows)
             for t, k in enumerate(owner):
                 w = resident[k][0].weights.get((layer, name)) if k else None
@@ -520,14 +520,14 @@ def test_fused_projection_slices_equal_separate_calls(model_path) -> None:
             sa, sb = kernels.flat_storage(caches[layer], torch.float32)
             wide = torch.randn(tokens, col + 5)
             fused, separate = wide.clone(), wide.clone()
-            segs.apply(fused, x, sa, sb, segs.slices(layer, modules))
+            segs.apply(fused, x, sa, sb, table_slices(layer, modules))
             for m, start, end in modules:
                 kernels.lora_apply(separate[:, start:end], x, sa, sb, *segs.args(layer, m))
             assert torch.equal(fused, separate)
             assert not torch.equal(fused, wide)
         for bad in ([modules[1], modules[0]], [modules[0], (modules[1][0], modules[0][1], modules[1][2])]):
             with pytest.raises(RuntimeError, match="increasing and disjoint"):
-                segs.apply(wide.clone(), x, sa, sb, segs.slices(0, bad))
+                segs.apply(wide.clone(), x, sa, sb, table_slices(0, bad))
 
 
 @pytest.mark.parametrize("tokens", [1, 48, 136])
@@ -562,16 +562,15 @@ def test_lora_linear_over_a_packed_base_equals_the_two_ops(model_path, monkeypat
     wrapper.bind(caches[0], torch.float32)
     segs = build_segments([(tokens, ResidentAdapter(layout, 2))], cfg.num_hidden_layers, len(TARGETABLE))
     x = torch.randn(tokens, hidden)
-    from pagedserve.lora import segments as segments_module
-
-    fused_op, calls = segments_module.lora_linear, []
-    monkeypatch.setattr(segments_module, "lora_linear", lambda *a: calls.append(1) or fused_op(*a))
-    with lora_step(segs):
-        fused = wrapper(x)
-    assert calls == [1]  # the one-op path ran
+    assert wrapper.one_op
+    with monkeypatch.context() as patch:
+        # The one-op path never calls the base layer; the fallback would fail here.
+        patch.setattr(layer, "forward", lambda _: pytest.fail("the base ran apart from the deltas"))
+        with lora_step(segs):
+            fused = wrapper(x)
     separate = layer(x)
     kernels.lora_apply_slices(separate, x, wrapper.storage_a, wrapper.storage_b, segs.seg_starts, segs.a_offsets,
-                              segs.b_offsets, segs.ranks, segs.scales, segs.slices(0, wrapper.slices))
+                              segs.b_offsets, segs.ranks, segs.scales, wrapper.kernel_slices)
     assert torch.equal(fused, separate)
     assert not torch.equal(separate, layer(x))  # the adapter changed the output
 

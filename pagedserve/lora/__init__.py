@@ -12,7 +12,7 @@ Use, per step and per LoRA-wrapped projection (layer l, module m = TARGETABLE.in
     storage_a, storage_b = flat_storage(kv_caches[l], dtype)      # once at start-up, zero-copy
     segments = build_segments(runs, num_layers, len(TARGETABLE))  # once per step (runner)
     y = base_layer(x)                                             # e.g. (T, q + 2 kv) fused
-    slices = segments.slices(l, [(m_q, 0, q), (m_k, q, q + kv), (m_v, q + kv, q + 2 * kv)])
+    slices = table_slices(l, [(m_q, 0, q), (m_k, q, q + kv), (m_v, q + kv, q + 2 * kv)])
     segments.apply(y, x, storage_a, storage_b, slices)            # y += deltas, in place
     # == lora_apply(y[:, 0:q], x, storage_a, storage_b, *segments.args(l, m_q)), then k, v
 """

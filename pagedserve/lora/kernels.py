@@ -125,7 +125,7 @@ def lora_apply_slices(
     region: a step makes ~layers x 4 calls instead of x 7, and on this host any op call right
     after a base GEMM costs 20-35 us before it does any work.
     """
-    if not kernel_handles(x, storage_a):
+    if not kernel_handles(x.dtype, storage_a.dtype, x.device):
         if _ops_or_none() is not None:
             _warn_dtype_fallback(x.dtype, storage_a.dtype, x.device.type)
         for row, start, end in zip(slices[::3], slices[1::3], slices[2::3], strict=True):
@@ -137,31 +137,12 @@ def lora_apply_slices(
                              slices, MM_MIN_ROWS, MM_MIN_RANK)
 
 
-def kernel_handles(x: torch.Tensor, storage_a: torch.Tensor) -> bool:
-    """Whether the C++ ops (`lora_apply_slices`' fast path, `lora_linear`) run for these
-    activations and adapter storage (float32 / bfloat16 on the CPU, extension built)."""
-    return (x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES and storage_a.dtype in _KERNEL_DTYPES
+def kernel_handles(dtype: torch.dtype, lora_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the C++ ops (`lora_apply_slices`' fast path, `LoRASegments.linear`) run for
+    activations of `dtype` and adapters of `lora_dtype` on `device` (float32 / bfloat16 on
+    the CPU, extension built)."""
+    return (device.type == "cpu" and dtype in _KERNEL_DTYPES and lora_dtype in _KERNEL_DTYPES
             and _ops_or_none() is not None)
-
-
-def lora_linear(
-    x: torch.Tensor,
-    packed_weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    storage_a: torch.Tensor,
-    storage_b: torch.Tensor,
-    seg_starts: torch.Tensor,
-    a_offsets: torch.Tensor,
-    b_offsets: torch.Tensor,
-    ranks: torch.Tensor,
-    scales: torch.Tensor,
-    slices: list[int],
-) -> torch.Tensor:
-    """oneDNN's linear of a prepacked weight (`quantization/packed.py`) plus the modules' LoRA
-    deltas (`lora_apply_slices`), in one op call: x (T, in) -> (T, out). Only where
-    `kernel_handles`; the result equals the two run separately, bit for bit."""
-    return _ops_or_none().lora_linear(x, packed_weight, bias, storage_a, storage_b, seg_starts, a_offsets,
-                                      b_offsets, ranks, scales, slices, MM_MIN_ROWS, MM_MIN_RANK)
 
 
 @functools.cache

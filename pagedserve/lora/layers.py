@@ -23,7 +23,8 @@ from torch import nn
 
 from pagedserve.lora.kernels import flat_storage, kernel_handles
 from pagedserve.lora.peft_loader import TARGETABLE
-from pagedserve.lora.segments import LoRASegments
+from pagedserve.lora.segments import LoRASegments, table_slices
+from pagedserve.quantization.packed import PackedLinearMethod
 
 _segments: ContextVar[LoRASegments | None] = ContextVar("pagedserve_lora_segments", default=None)
 
@@ -45,25 +46,31 @@ class LoRALinear(nn.Module):
         self.base = base
         self.layer_idx = layer_idx
         self.slices = slices  # (TARGETABLE index, first column, end column)
+        self.kernel_slices = table_slices(layer_idx, slices)
         self.storage_a: torch.Tensor | None = None
         self.storage_b: torch.Tensor | None = None
+        self.one_op = False  # base GEMM and deltas in one op (set by bind)
 
     def bind(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> None:
-        """Points the layer at the KV-cache memory its adapters live in (zero-copy views)."""
+        """Points the layer at the KV-cache memory its adapters live in (zero-copy views).
+
+        A oneDNN-prepacked base (the CPU default; float32 / bfloat16 weights, the activations'
+        dtype) then runs with the deltas in one op call: a separate LoRA op right after the
+        GEMM costs 20-35 us on this host before it does any work.
+        """
         self.storage_a, self.storage_b = flat_storage(kv_cache, dtype)
+        self.one_op = isinstance(getattr(self.base, "quant_method", None), PackedLinearMethod) and kernel_handles(
+            self.base.packed_weight.dtype, dtype, kv_cache.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         segments = _segments.get()
         if segments is None or segments.num_segments == 0:
             return self.base(x)
-        slices = segments.slices(self.layer_idx, self.slices)
-        # A oneDNN-prepacked base (the CPU default) runs with the deltas in one op call.
-        packed = getattr(self.base, "packed_weight", None)
-        if packed is not None and x.dim() == 2 and kernel_handles(x, self.storage_a):
-            return segments.linear(x.contiguous(), packed, getattr(self.base, "bias", None),
-                                   self.storage_a, self.storage_b, slices)
+        if self.one_op and x.dim() == 2:
+            return segments.linear(x.contiguous(), self.base.packed_weight, getattr(self.base, "bias", None),
+                                   self.storage_a, self.storage_b, self.kernel_slices)
         y = self.base(x)
-        segments.apply(y, x.contiguous(), self.storage_a, self.storage_b, slices)
+        segments.apply(y, x.contiguous(), self.storage_a, self.storage_b, self.kernel_slices)
         return y
 
 

@@ -12,9 +12,10 @@ leading / trailing ones fall outside [seg_starts[0], seg_starts[S]). Sorting a s
 requests by adapter therefore makes segments as long as they can be.
 
 Tables are contiguous (num_layers, num_modules, S): `segments.apply(y, x, storage_a,
-storage_b, segments.slices(layer, modules))` has the op read rows (layer, module) in place,
-all of a fused projection's modules in one call (the fast path); `segments.args(layer,
-module)` gives (S,) views for `lora_apply`.
+storage_b, table_slices(layer, modules))` has the op read rows (layer, module) in place, all
+of a fused projection's modules in one call (the fast path); `segments.args(layer, module)`
+gives (S,) views for `lora_apply`. The slices depend only on the layer and its modules, so a
+wrapper computes them once.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.lora.kernels import lora_apply_slices, lora_linear
+from pagedserve.lora import kernels
+from pagedserve.lora.kernels import lora_apply_slices
 from pagedserve.lora.layout import AdapterLayout
+from pagedserve.lora.peft_loader import TARGETABLE
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -55,11 +58,6 @@ class LoRASegments:
         return (self.seg_starts, self.a_offsets[layer, module], self.b_offsets[layer, module],
                 self.ranks[layer, module], self.scales[layer, module])
 
-    def slices(self, layer: int, modules: Sequence[tuple[int, int, int]]) -> list[int]:
-        """`lora_apply_slices`' slices for (module, first column, end column) of one layer."""
-        per_layer = self.a_offsets.shape[1]
-        return [v for m, start, end in modules for v in (layer * per_layer + m, start, end)]
-
     def apply(
         self,
         y: torch.Tensor,
@@ -68,11 +66,10 @@ class LoRASegments:
         storage_b: torch.Tensor,
         slices: list[int],
     ) -> None:
-        """y[:, first:end] += each module's deltas, for `slices` from `self.slices`: one op
+        """y[:, first:end] += each module's deltas, for `slices` from `table_slices`: one op
         call reading the tables in place (no Python views, ~1.5 us each)."""
         lora_apply_slices(y, x, storage_a, storage_b, self.seg_starts, self.a_offsets,
                           self.b_offsets, self.ranks, self.scales, slices)
-
 
     def linear(
         self,
@@ -83,9 +80,19 @@ class LoRASegments:
         storage_b: torch.Tensor,
         slices: list[int],
     ) -> torch.Tensor:
-        """The prepacked base projection of x and `apply`'s deltas, in one op (`lora_linear`)."""
-        return lora_linear(x, packed_weight, bias, storage_a, storage_b, self.seg_starts, self.a_offsets,
-                           self.b_offsets, self.ranks, self.scales, slices)
+        """oneDNN's projection of x by a prepacked weight (`quantization/packed.py`) plus
+        `apply`'s deltas, in one op call (csrc: lora_linear), bit for bit the two run apart.
+        Only where `kernels.kernel_handles` holds."""
+        return kernels.load_extension().lora_linear(
+            x, packed_weight, bias, storage_a, storage_b, self.seg_starts, self.a_offsets, self.b_offsets,
+            self.ranks, self.scales, slices, kernels.MM_MIN_ROWS, kernels.MM_MIN_RANK)
+
+
+def table_slices(layer: int, modules: Sequence[tuple[int, int, int]],
+                 num_modules: int = len(TARGETABLE)) -> list[int]:
+    """The kernel's slices, [table row, first column, end column] per module, for the
+    (TARGETABLE index, first column, end column) modules of one layer."""
+    return [v for m, start, end in modules for v in (layer * num_modules + m, start, end)]
 
 
 def _key(adapter: ResidentAdapter | None) -> int:
