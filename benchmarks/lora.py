@@ -21,11 +21,15 @@ Parts (--parts, comma-separated):
               once off (the merged model), in alternating order; the run's throughput with
               and without the LoRA path follows from the summed forward times
     pairs     the sweep's ratio paired per step: the K-adapter workload runs, and every step's
-              forward also runs with all its tokens on the 1-adapter run's adapter (alternating
-              order); the ratio of the two runs' throughputs follows from the summed forward
-              times (settings and --adapters as for the sweep; K = 1 is skipped)
+              forward also runs with all its tokens on the 1-adapter run's adapter, and with
+              each token on the one adapter of its own adapter's rank (same FLOPs and segments,
+              few adapters' weights), the order rotating; the ratios of the runs' throughputs
+              follow from the summed forward times (settings and --adapters as for the sweep;
+              K = 1 is skipped)
     switch    heterogeneous batching vs merge-and-switch (merge one adapter into the base,
-              run its queued requests, unmerge, next) for 2, 5 and 20 adapters, all queued
+              run its queued requests, unmerge, next) for 2, 5 and 20 adapters, all queued;
+              and the same batch on the base model alone (no LoRA work), whose speed-up over
+              merge-and-switch is the most any heterogeneous batching could reach here
     coldload  per rank: disk -> host (parse + validate) and host -> device (write into the
               KV pool) latency; and TPOT of running decodes while adapters load vs not
     int8      the sweep (all-8, alpha 1) again on an int8 weight-quantized base
@@ -270,45 +274,53 @@ def part_merged(args: argparse.Namespace, reqs: list[dict]) -> dict:
     return out
 
 
-def paired_run(llm: LLM, alternative: Any, run: Any) -> tuple[dict, dict]:
-    """Runs `run()` with every step's forward done twice on the same inputs: once with the
-    step's own LoRA segments ("own") and once with `alternative(sched)`'s ("alt"; None = the
-    LoRA path off), in alternating order. Returns (run's result, times): summed forward
-    seconds per side, the seconds building each side's segment tables, and per-step ratios.
+def paired_run(llm: LLM, alternatives: dict[str, Any], run: Any) -> tuple[dict, dict]:
+    """Runs `run()` with every step's forward done once with the step's own LoRA segments
+    ("own") and once per alternative, on the same inputs, the order rotating from step to
+    step; `alternatives[name](sched)` gives that side's segments (None = the LoRA path off).
+    Returns (run's result, times): per side, the summed forward seconds (times[side]) and
+    the seconds building its segment tables (times[side + "_tables"]); times["ratios"][name]
+    lists the per-step own / alternative forward ratios.
 
-    The run as it would be with one side only is its wall time less the other side's forward
-    and tables; the values computed do not matter (ignore_eos, fixed lengths)."""
+    The run as it would be with one side only is its wall time less every other side's
+    forward and tables (`one_sided_wall`); the values computed do not matter (ignore_eos,
+    fixed lengths)."""
     from pagedserve.lora import layers
 
     runner = llm.llm_engine.runner
     forward, build = runner.model.forward, runner._lora_segments
-    times: dict[str, Any] = {"own": 0.0, "alt": 0.0, "own_tables": 0.0, "alt_tables": 0.0, "ratios": []}
-    state: dict[str, Any] = {"flip": False}
+    sides = ["own", *alternatives]
+    times: dict[str, Any] = {side + suffix: 0.0 for side in sides for suffix in ("", "_tables")}
+    times["ratios"] = {name: [] for name in alternatives}
+    state: dict[str, Any] = {"step": 0, "segments": {}}
 
-    def both_tables(sched: Any) -> Any:
-        t0 = time.perf_counter()
-        own = build(sched)
-        t1 = time.perf_counter()
-        state["alt"] = alternative(sched)
-        times["own_tables"] += t1 - t0
-        times["alt_tables"] += time.perf_counter() - t1
-        return own
+    def all_tables(sched: Any) -> Any:
+        builders = {"own": build, **alternatives}
+        for side in sides:
+            t0 = time.perf_counter()
+            state["segments"][side] = builders[side](sched)
+            times[side + "_tables"] += time.perf_counter() - t0
+        return state["segments"]["own"]
 
     def paired_forward(*a: Any, **kw: Any) -> Any:
-        segments = {"own": layers._segments.get(), "alt": state["alt"]}
-        step = {}
-        for side in (("alt", "own") if state["flip"] else ("own", "alt")):
-            with layers.lora_step(segments[side]):
+        state["segments"]["own"] = layers._segments.get()
+        shift = state["step"] % len(sides)
+        step, out = {}, None
+        for side in sides[shift:] + sides[:shift]:
+            with layers.lora_step(state["segments"][side]):
                 t0 = time.perf_counter()
-                out = forward(*a, **kw)
+                result = forward(*a, **kw)
                 step[side] = time.perf_counter() - t0
-        state["flip"] = not state["flip"]
+            if side == "own":
+                out = result
+        state["step"] += 1
         for side, seconds in step.items():
             times[side] += seconds
-        times["ratios"].append(step["own"] / step["alt"])
+        for name in alternatives:
+            times["ratios"][name].append(step["own"] / step[name])
         return out
 
-    runner.model.forward, runner._lora_segments = paired_forward, both_tables
+    runner.model.forward, runner._lora_segments = paired_forward, all_tables
     try:
         result = run()
     finally:
@@ -316,10 +328,10 @@ def paired_run(llm: LLM, alternative: Any, run: Any) -> tuple[dict, dict]:
     return result, times
 
 
-def one_sided_walls(result: dict, times: dict) -> tuple[float, float]:
-    """(wall of the run with the own side only, wall with the alternative side only)."""
-    wall = result["wall_s"]
-    return wall - times["alt"] - times["alt_tables"], wall - times["own"] - times["own_tables"]
+def one_sided_wall(result: dict, times: dict, side: str) -> float:
+    """The run's wall time as it would be with only `side`'s forwards and tables."""
+    others = [s for s in times["ratios"] if s != side] + (["own"] if side != "own" else [])
+    return result["wall_s"] - sum(times[s] + times[s + "_tables"] for s in others)
 
 
 def part_steps(args: argparse.Namespace, reqs: list[dict]) -> dict:
@@ -328,14 +340,15 @@ def part_steps(args: argparse.Namespace, reqs: list[dict]) -> dict:
     llm = make_llm(args, 4, 16)
     preload(llm, [adapter], 1)
     merge_adapter(llm, args.model, adapter)
-    result, times = paired_run(llm, lambda sched: None,  # the merged model: LoRA path off
+    result, times = paired_run(llm, {"merged": lambda sched: None},  # the merged model: LoRA path off
                                lambda: run_online(llm, reqs, [adapter] * len(reqs), [0.0] * len(reqs)))
-    lora_wall, merged_wall = one_sided_walls(result, times)
-    out = {"steps": len(times["ratios"]), "lora_forward_s": times["own"], "merged_forward_s": times["alt"],
-           "segments_s": times["own_tables"], "step_ratio_median": statistics.median(times["ratios"]),
+    lora_wall, merged_wall = one_sided_wall(result, times, "own"), one_sided_wall(result, times, "merged")
+    ratios = times["ratios"]["merged"]
+    out = {"steps": len(ratios), "lora_forward_s": times["own"], "merged_forward_s": times["merged"],
+           "segments_s": times["own_tables"], "step_ratio_median": statistics.median(ratios),
            "slowdown": 1 - merged_wall / lora_wall}
     print(f"  paired per step ({out['steps']} steps): LoRA forwards {times['own']:.2f} s + segment "
-          f"tables {times['own_tables']:.2f} s vs merged {times['alt']:.2f} s; median step "
+          f"tables {times['own_tables']:.2f} s vs merged {times['merged']:.2f} s; median step "
           f"ratio {out['step_ratio_median']:.3f}; LoRA {100 * out['slowdown']:.1f}% slower "
           f"end to end", flush=True)
     return out
@@ -353,35 +366,55 @@ def part_pairs(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
             print(f"  K={k:5d} ranks={row['ranks']:5s} alpha={alpha:3.1f}: forwards {row['multi']:.2f} s "
                   f"(K adapters) vs {row['single']:.2f} s (1 adapter), tables {row['multi_tables']:.2f} / "
                   f"{row['single_tables']:.2f} s -> {row['vs_1_adapter']:.3f}x of the 1-adapter throughput "
-                  f"({row['device_loads']} device loads)", flush=True)
+                  f"({row['device_loads']} device loads); one adapter per rank {row['per_rank']:.2f} s -> "
+                  f"K adapters {row['vs_per_rank']:.3f}x of it, it {row['per_rank_vs_1_adapter']:.3f}x of 1 adapter",
+                  flush=True)
     return rows
 
 
 def pair_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple[int, ...], alpha: float) -> dict:
+    """The K-adapter run with two alternatives per step: every token on the 1-adapter run's
+    adapter ("single", rank ranks[0], one segment), and every token on the one adapter of its
+    own adapter's rank ("per_rank": the same segments and FLOPs, reading len(ranks) adapters'
+    weights instead of up to one per token). K vs single is the figure; K vs per_rank is the
+    cost of many adapters' weights alone, and per_rank vs single that of the ranks and
+    segments."""
     from pagedserve.lora.segments import build_segments
 
     adapters = make_adapters(args.model, k, ranks, QKVO, args.distinct_files)
     choice = adapter_choice(len(reqs), k, alpha, args.seed)
     single = adapters[0]  # what the sweep's 1-adapter run serves (rank ranks[0])
+    per_rank = adapters[:len(ranks)]  # adapter j has rank ranks[j % len(ranks)]
     llm = make_llm(args, args.max_loras, args.max_cpu_loras)
-    preload(llm, [single] + [adapters[j] for j in sorted(set(choice)) if j], args.max_cpu_loras)
-    llm.generate([{"prompt_token_ids": [11, 12]}], SamplingParams(max_tokens=1), use_tqdm=False,
-                 lora_request=single)  # resident on the device from here on
+    preload(llm, per_rank + [adapters[j] for j in sorted(set(choice)) if j >= len(ranks)], args.max_cpu_loras)
     runner, manager = llm.llm_engine.runner, llm.llm_engine.lora_manager
+    # Onto the device; they stay there (--max-loras exceeds the adapters a run uses, so
+    # nothing is evicted: `manager.resident` would raise otherwise).
+    for adapter in per_rank:
+        llm.generate([{"prompt_token_ids": [11, 12]}], SamplingParams(max_tokens=1), use_tqdm=False,
+                     lora_request=adapter)
+    rank_of = {a.lora_int_id: ranks[j % len(ranks)] for j, a in enumerate(adapters)}
+    stand_in = {rank: a.lora_int_id for rank, a in zip(ranks[:len(per_rank)], per_rank, strict=True)}
 
-    def all_on_single(sched: Any) -> Any:
-        resident = manager.resident(single.lora_int_id)
-        return build_segments([(item.num_new_tokens, resident) for item in sched.scheduled],
-                              len(runner.attn_layers), len(TARGETABLE))
+    def segments_for(lora_id_of: Any) -> Any:
+        def build(sched: Any) -> Any:
+            return build_segments(
+                [(item.num_new_tokens, manager.resident(lora_id_of(item.request.lora_id))) for item in sched.scheduled],
+                len(runner.attn_layers), len(TARGETABLE))
+        return build
 
-    result, times = paired_run(llm, all_on_single, lambda: run_online(
+    alternatives = {"single": segments_for(lambda lora_id: single.lora_int_id),
+                    "per_rank": segments_for(lambda lora_id: stand_in[rank_of[lora_id]])}
+    result, times = paired_run(llm, alternatives, lambda: run_online(
         llm, reqs, [adapters[j] for j in choice], arrivals(len(reqs), args.rate, args.seed)))
-    multi_wall, single_wall = one_sided_walls(result, times)
+    walls = {side: one_sided_wall(result, times, side) for side in ("own", "single", "per_rank")}
     return {"num_adapters": k, "ranks": "mixed" if len(ranks) > 1 else str(ranks[0]), "alpha": alpha,
             "lora_dtype": args.lora_dtype, "distinct_used": len(set(choice)),
-            "device_loads": manager.num_device_loads, "multi": times["own"], "single": times["alt"],
-            "multi_tables": times["own_tables"], "single_tables": times["alt_tables"],
-            "wall_s": result["wall_s"], "vs_1_adapter": single_wall / multi_wall}
+            "device_loads": manager.num_device_loads, "multi": times["own"], "single": times["single"],
+            "per_rank": times["per_rank"], "multi_tables": times["own_tables"],
+            "single_tables": times["single_tables"], "per_rank_tables": times["per_rank_tables"],
+            "wall_s": result["wall_s"], "vs_1_adapter": walls["single"] / walls["own"],
+            "vs_per_rank": walls["per_rank"] / walls["own"], "per_rank_vs_1_adapter": walls["single"] / walls["per_rank"]}
 
 
 def part_switch(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
@@ -393,6 +426,9 @@ def part_switch(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
         llm = make_llm(args, max(k, 4), max(k, 16))
         preload(llm, adapters, len(adapters))
         batched = run_online(llm, reqs, loras, [0.0] * len(reqs))
+        # The same batch with no LoRA work at all: what heterogeneous batching would reach at
+        # zero LoRA cost, so batched-base / merge-and-switch bounds the speed-up on this host.
+        base = run_online(llm, reqs, [None] * len(reqs), [0.0] * len(reqs))
         start = time.monotonic()
         tokens = 0
         for j, adapter in enumerate(adapters):
@@ -404,10 +440,12 @@ def part_switch(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
             merge_adapter(llm, args.model, adapter, -1.0)
         switch_s = time.monotonic() - start
         row = {"num_adapters": k, "batched_tok_s": batched["output_tok_s"], "switch_tok_s": tokens / switch_s,
-               "speedup": batched["output_tok_s"] / (tokens / switch_s)}
+               "speedup": batched["output_tok_s"] / (tokens / switch_s),
+               "base_batched_tok_s": base["output_tok_s"], "ceiling": base["output_tok_s"] / (tokens / switch_s)}
         rows.append(row)
         print(f"  {k:2d} adapters: batched {row['batched_tok_s']:.1f} tok/s, merge-and-switch "
-              f"{row['switch_tok_s']:.1f} tok/s, {row['speedup']:.2f}x", flush=True)
+              f"{row['switch_tok_s']:.1f} tok/s, {row['speedup']:.2f}x; the batch with no LoRA work "
+              f"{row['base_batched_tok_s']:.1f} tok/s, {row['ceiling']:.2f}x (the ceiling here)", flush=True)
         del llm
     return rows
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -211,6 +212,72 @@ def sweep_mm(bench: Bench) -> None:
     kernels.MM_MIN_ROWS, kernels.MM_MIN_RANK = defaults
 
 
+def library_compare(bench: Bench, rank: int = 16) -> None:
+    """Our kernel against oneDNN on the very products LoRA makes (one adapter, all 7
+    projections, one layer, warm): the shrink x . A^T (N = rank) and the expand t . B^T
+    (K = rank). oneDNN gets prepacked weights and writes fresh outputs (no add into y, which
+    favours it); the base projections are timed the same way for its rate on big GEMMs."""
+    from pagedserve.quantization.packed import _EXPECTED_ROWS
+
+    def packed(w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(w.to(bench.dtype), _EXPECTED_ROWS)
+
+    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    def best(f: Callable[[], None], reps: int = 200) -> float:
+        for _ in range(20):
+            f()
+        times = []
+        for _ in range(bench.reps):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                f()
+            times.append((time.perf_counter() - t0) / reps)
+        return min(times)
+
+    a = {name: packed(torch.randn(rank, i) / i**0.5) for name, (i, o) in DIMS.items()}
+    b = {name: packed(torch.randn(o, rank) / rank) for name, (i, o) in DIMS.items()}
+    layer = bench.layers[0]
+    base_w = {"qkv": packed(layer.w_qkv), "o": packed(layer.w_o), "gate_up": packed(layer.w_gate_up),
+              "down": packed(layer.w_down)}
+    print(f"one adapter, rank {rank}, all 7 projections, one layer, warm: GFLOP/s "
+          f"(oneDNN shrink / expand / both, ours both, oneDNN base projections)")
+    sa, sb = bench.storages[0]
+    slices = {out: table_slices(0, modules) for out, modules in FUSED.items()}
+    for n in (16, 48, 128, 512):
+        x = {"h": torch.randn(n, HIDDEN, dtype=bench.dtype), "i": torch.randn(n, INTER, dtype=bench.dtype)}
+        source = {name: x["i" if name == "down_proj" else "h"] for name in DIMS}
+        fused_source = {out: x["i" if out == "down" else "h"] for out in FUSED}
+        t = torch.randn(n, rank, dtype=bench.dtype)
+        outs = {out: torch.zeros(n, base_w[out].size(0), dtype=bench.dtype) for out in FUSED}
+        segs = bench.segments([n], [rank])
+
+        def shrink(source: dict = source) -> None:
+            for m in DIMS:
+                linear(source[m], a[m])
+
+        def expand(t: torch.Tensor = t) -> None:
+            for m in DIMS:
+                linear(t, b[m])
+
+        def ours(segs: LoRASegments = segs, outs: dict = outs, source: dict = fused_source) -> None:
+            for out in FUSED:
+                segs.apply(outs[out], source[out], sa, sb, slices[out])
+
+        def base(source: dict = fused_source) -> None:
+            for out, w in base_w.items():
+                linear(source[out], w)
+
+        flops_in = 2 * n * rank * sum(i for i, _ in DIMS.values())
+        flops_out = 2 * n * rank * sum(o for _, o in DIMS.values())
+        flops_base = 2 * n * sum(i * o for i, o in DIMS.values())
+        ts, te, to, tb = best(shrink), best(expand), best(ours), best(base, 20)
+        print(f"  {n:4d} tokens: oneDNN {flops_in / ts / 1e9:5.1f} / {flops_out / te / 1e9:5.1f} / "
+              f"{(flops_in + flops_out) / (ts + te) / 1e9:5.1f}, ours {(flops_in + flops_out) / to / 1e9:5.1f}; "
+              f"base {flops_base / tb / 1e9:5.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -221,6 +288,8 @@ def main() -> None:
                         help="adapters' dtype in the pool (default: --dtype)")
     parser.add_argument("--sweep-mm", action="store_true", help="only the BLAS threshold sweep")
     parser.add_argument("--quick", action="store_true", help="fewer adapter counts")
+    parser.add_argument("--library", action="store_true",
+                        help="only our kernel against oneDNN on the same LoRA products")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -232,6 +301,8 @@ def main() -> None:
     bench = Bench(args)
     if args.sweep_mm:
         sweep_mm(bench)
+    elif args.library:
+        library_compare(bench)
     else:
         run_scenarios(bench, args.quick)
 
