@@ -32,10 +32,12 @@
 //            broadcast t[i, k], FMA a contiguous panel row: no horizontal sums, one memory
 //            stream per panel. (With PEFT's (out, r) row-major B every output needs a dot of
 //            length r and a horizontal sum; that measured ~2.5x slower for multi-row segments.)
-// Every t and y element is computed by exactly one task: results do not depend on threads.
+// Every t and y element is computed by exactly one task, so the SIMD paths give the same bits
+// for any thread count (the BLAS paths: as MKL does).
 // Segments of >= mm_min_rows tokens and rank >= mm_min_rank compute phase 1 with at::mm (BLAS)
-// instead, which packs A (mm_min_rows = 0: never). Ranks are never padded: a segment costs
-// what its rank costs.
+// instead, which packs A (mm_min_rows = 0: never). Float32 segments of >= kMm2MinRows tokens
+// (prefill) compute phase 2 with BLAS (phase2_mm), after the region. Ranks are never padded:
+// a segment costs what its rank costs.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -70,6 +72,11 @@ constexpr int kRankChunk = 8;           // ranks per phase-1 task
 constexpr int kChunk = 512;             // elements of `in` per phase-1 pass (L1 blocking)
 constexpr int64_t kTaskMacs = 32768;    // target multiply-adds per task (~1-2 us)
 constexpr int64_t kThreadMacs = 65536;  // fewer threads below this much work each (fork ~2 us)
+// Phase 2 by BLAS from this many rows: with K = rank, y's read-modify-write dominates, and
+// MKL's addmm_ keeps it in cache better. LoRA ms per layer, 7 projections, 2 threads, SIMD
+// vs BLAS: rank 16 at 128 / 256 / 384 / 512 / 2048 rows 0.47 / 1.01 / 2.50 / 2.30 / 11.3 vs
+// 0.56 / 0.96 / 2.08 / 1.79 / 6.7; at 384 rows ranks 8 / 32 / 64 gain 6% / 13% / 6%.
+constexpr int kMm2MinRows = 384;
 
 // ---- SIMD layer: one struct per ISA, same static interface ------------------------------
 
@@ -305,6 +312,7 @@ struct Seg {
   int64_t at_off;  // transposed: offset of the segment's At chunks in the At scratch
   int64_t col;     // first y column of the segment's slice (module)
   int out;         // columns of that slice
+  bool mm2 = false;  // phase 2 by BLAS (phase2_mm)
 };
 
 struct Task {
@@ -521,6 +529,7 @@ void make_tasks(std::vector<Seg>& segs, int in, std::vector<Task>& t0, std::vect
         for (int j = 0; j < g.r; j += ranks)
           t1.push_back({s, i, std::min(g.n, i + rp), j, std::min(g.r, j + ranks)});
     }
+    if (g.mm2) continue;  // phase2_mm, after the region
     // Likewise phase 2: more than `cols` columns per task when the segment is short.
     const int rp = rows_per_task(int64_t(g.r) * cols, g.n);
     const int cols_task = task_span(kTaskMacs / (int64_t(rp) * g.r), cols, out);
@@ -600,6 +609,21 @@ void phase1_mm(const at::Tensor& x, const at::Tensor& sa, const Seg& s, float* t
 // ---- op ---------------------------------------------------------------------------------
 
 inline int64_t padded_out(int64_t out) { return (out + kPanel - 1) / kPanel * kPanel; }
+
+// Phase 2 of a long float32 segment by BLAS: y_s[:, slice] += t_s @ B_s^T, with B_s^T copied
+// out of its panels into a dense (r, out) float32 matrix first (r * out elements, small next
+// to the n * out of y).
+void phase2_mm(at::Tensor& y, const at::Tensor& sb, const Seg& s, const float* t) {
+  const int64_t panels = padded_out(s.out) / kPanel;
+  at::Tensor bt = sb.narrow(0, s.b, panels * kPanel * s.r)
+                      .view({panels, s.r, kPanel})
+                      .permute({1, 0, 2})
+                      .reshape({s.r, panels * kPanel})
+                      .narrow(1, 0, s.out)
+                      .to(at::kFloat);
+  const at::Tensor ts = at::from_blob(const_cast<float*>(t + s.t_off), {s.n, s.r}, y.options());
+  y.narrow(0, s.row0, s.n).narrow(1, s.col, s.out).addmm_(ts, bt);
+}
 
 void check_inputs(const at::Tensor& y, const at::Tensor& x, const at::Tensor& sa,
                   const at::Tensor& sb, const at::Tensor& seg_starts) {
@@ -686,8 +710,9 @@ void sgmv_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& sa, const a
     s.t_off = t_size;
     s.transposed = takes_transposed<T>(s);  // it also beats BLAS where it applies
     s.mm = !s.transposed && mm_min_rows > 0 && s.n >= mm_min_rows && s.r >= mm_min_rank;
+    s.mm2 = std::is_same_v<T, float> && s.n >= kMm2MinRows;
     t_size += int64_t(s.n) * s.r;
-    macs += int64_t(s.n) * s.r * ((s.mm ? 0 : C.in) + s.out);
+    macs += int64_t(s.n) * s.r * ((s.mm ? 0 : C.in) + (s.mm2 ? 0 : s.out));
   }
   static thread_local std::vector<float> scratch;  // (rows, rank) blocks of every segment
   if (int64_t(scratch.size()) < t_size) scratch.resize(t_size);
@@ -699,6 +724,9 @@ void sgmv_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& sa, const a
 #else
   run<VecScalar>(C, segs, t, macs);
 #endif
+  if constexpr ((LORA_PHASES & 2) != 0)
+    for (const Seg& s : segs)
+      if (s.mm2) phase2_mm(y, sb, s, t);
 }
 
 void lora_sgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& storage_a,

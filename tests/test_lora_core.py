@@ -605,3 +605,35 @@ def test_kernel_long_rank16_segments(ops) -> None:
     assert torch.equal(outs[0], outs[1])
     expected = dense_delta(x, starts, mats, scales, out_dim)
     torch.testing.assert_close(outs[0].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dim", [256, 45])
+def test_kernel_blas_phase2_for_long_segments(ops, lora_dtype, out_dim: int) -> None:
+    """Float32 segments of >= 384 tokens (prefill) add their deltas by BLAS from B copied out
+    of its panels (csrc: phase2_mm); short ones keep the SIMD path in the same call. Against
+    the dense product of the stored weights, y a column slice whose neighbours stay untouched;
+    out = 45 leaves a partial panel."""
+    in_dim, lens, ranks = 200, [400, 3, 513, 1], [16, 8, 64, 4]
+    g = torch.Generator().manual_seed(5)
+    mats = [((torch.randn(r, in_dim, generator=g) / in_dim**0.5).to(lora_dtype),
+             (torch.randn(out_dim, r, generator=g) / r**0.5).to(lora_dtype)) for r in ranks]
+    sa = torch.cat([a.reshape(-1) for a, _ in mats])
+    sb = torch.cat([kernels.pack_lora_b(b) for _, b in mats])
+    a_off = [sum(a.numel() for a, _ in mats[:i]) for i in range(len(mats))]
+    b_off = [sum(kernels.b_region_elems(out_dim, r) for r in ranks[:i]) for i in range(len(mats))]
+    starts = [2, *(2 + n for n in itertools.accumulate(lens))]
+    scales = [0.5, 2.0, 0.25, 1.0]
+    args = (torch.tensor(starts), torch.tensor(a_off), torch.tensor(b_off),
+            torch.tensor(ranks, dtype=torch.int32), torch.tensor(scales, dtype=torch.float32))
+    x = torch.randn(starts[-1] + 1, in_dim, generator=g)
+    wide = torch.randn(x.shape[0], out_dim + 9, generator=g)
+    y = wide.clone()
+    cols = slice(4, 4 + out_dim)
+    kernels.lora_apply(y[:, cols], x, sa, sb, *args)
+    expected = wide.double()
+    expected[:, cols] += dense_delta(x, starts, mats, scales, out_dim)
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
+    outside = torch.ones(wide.shape, dtype=torch.bool)
+    outside[:, cols] = False
+    assert torch.equal(y[outside], wide[outside])

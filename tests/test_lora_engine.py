@@ -71,6 +71,29 @@ def test_mixed_adapters_in_one_batch_equal_peft(base, adapters, prompts):
     assert changed >= 3  # the adapters really change the outputs
 
 
+def test_long_prefill_segments_equal_peft(base, adapters):
+    """Two prompts on one adapter make one prefill segment of 640 tokens, and a 420-token
+    prompt one of its own: >= 384 rows take the kernel's BLAS phase 2. Tokens and logprobs
+    against PEFT."""
+    from transformers import AutoConfig
+
+    long_prompts = make_prompts(AutoConfig.from_pretrained(base).vocab_size, [420, 300, 340], seed=9)
+    loras = [adapters[2], adapters[3], adapters[3]]
+    llm = LLM(base, max_model_len=512, kv_cache_memory_bytes=64 << 20, enable_lora=True, max_loras=4,
+              max_num_batched_tokens=2048)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in long_prompts], greedy(logprobs=0), use_tqdm=False,
+                           lora_request=loras)
+    for prompt, lora, out in zip(long_prompts, loras, outputs, strict=True):
+        tokens = out.outputs[0].token_ids
+        assert tokens == expected_tokens(base, prompt, lora), lora.lora_name
+        model = peft_reference_model(base, lora.lora_path)
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + tokens])).logits[0]
+        ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        ours = torch.tensor([e[t].logprob for e, t in zip(out.outputs[0].logprobs, tokens, strict=True)])
+        assert torch.allclose(ours, ref, atol=1e-4)
+
+
 def _rounded_to_bf16(adapter: LoRARequest, out) -> str:
     """A copy of the adapter folder with every weight rounded to bfloat16 (stored as fp32)."""
     from safetensors.torch import load_file, save_file
