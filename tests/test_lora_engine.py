@@ -52,6 +52,17 @@ def expected_tokens(base, prompt, lora):
     return hf_greedy(base, prompt, NEW_TOKENS) if lora is None else peft_greedy(base, lora.lora_path, prompt, NEW_TOKENS)
 
 
+def assert_logprobs_match_peft(base, lora, prompt, out) -> None:
+    """Our sampled tokens' logprobs against PEFT's model with the adapter, within 1e-4."""
+    tokens = out.outputs[0].token_ids
+    model = peft_reference_model(base, lora.lora_path)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens])).logits[0]
+    ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    ours = torch.tensor([e[t].logprob for e, t in zip(out.outputs[0].logprobs, tokens, strict=True)])
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+
+
 def test_mixed_adapters_in_one_batch_equal_peft(base, adapters, prompts):
     llm = LLM(base, max_model_len=256, kv_cache_memory_bytes=32 << 20, enable_lora=True, max_loras=4)
     loras = [adapters[i % 4] if i % 3 else None for i in range(len(prompts))]  # some base-model requests
@@ -62,12 +73,7 @@ def test_mixed_adapters_in_one_batch_equal_peft(base, adapters, prompts):
         assert tokens == expected_tokens(base, prompt, lora), f"adapter {lora and lora.lora_name}"
         if lora is not None:
             changed += tokens != hf_greedy(base, prompt, NEW_TOKENS)
-            model = peft_reference_model(base, lora.lora_path)
-            with torch.inference_mode():
-                logits = model(torch.tensor([prompt + tokens])).logits[0]
-            ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
-            ours = torch.tensor([e[t].logprob for e, t in zip(out.outputs[0].logprobs, tokens, strict=True)])
-            assert torch.allclose(ours, ref, atol=1e-4)
+            assert_logprobs_match_peft(base, lora, prompt, out)
     assert changed >= 3  # the adapters really change the outputs
 
 
@@ -86,12 +92,7 @@ def test_long_prefill_segments_equal_peft(base, adapters):
     for prompt, lora, out in zip(long_prompts, loras, outputs, strict=True):
         tokens = out.outputs[0].token_ids
         assert tokens == expected_tokens(base, prompt, lora), lora.lora_name
-        model = peft_reference_model(base, lora.lora_path)
-        with torch.inference_mode():
-            logits = model(torch.tensor([prompt + tokens])).logits[0]
-        ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
-        ours = torch.tensor([e[t].logprob for e, t in zip(out.outputs[0].logprobs, tokens, strict=True)])
-        assert torch.allclose(ours, ref, atol=1e-4)
+        assert_logprobs_match_peft(base, lora, prompt, out)
 
 
 def _rounded_to_bf16(adapter: LoRARequest, out) -> str:
