@@ -278,6 +278,24 @@ def library_compare(bench: Bench, rank: int = 16) -> None:
               f"base {flops_base / tb / 1e9:5.1f}")
 
 
+def order_compare(bench: Bench) -> None:
+    """A decode step whose requests come interleaved by adapter (one-token segments) vs the
+    same requests side by side (one segment per adapter, as the scheduler orders them)."""
+    print("decode step, adapters' requests side by side vs interleaved: LoRA ms per layer")
+    for tokens, k in ((32, 8), (48, 4), (48, 8), (128, 16)):
+        for label, ranks in (("r=8", [8] * k), ("mixed", [MIXED[i % 4] for i in range(k)])):
+            placed = place_adapters(ranks, bench.num_layers, bench.block_elems)
+            per = tokens // k
+            times = {}
+            for order, runs in (("side by side", [(per, placed[i]) for i in range(k)]),
+                                ("interleaved", [(1, placed[t % k]) for t in range(per * k)])):
+                segs = build_segments(runs, bench.num_layers, len(TARGETABLE))
+                times[order] = bench.time_step(per * k, segs)
+            (base, side), (_, mixed_order) = times["side by side"], times["interleaved"]
+            print(f"  {tokens:4d} tokens, {k:2d} adapters {label:5s}: side by side {side * 1e3:6.3f} "
+                  f"({100 * side / base:4.1f}% of the base), interleaved {mixed_order * 1e3:6.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -288,6 +306,8 @@ def main() -> None:
                         help="adapters' dtype in the pool (default: --dtype)")
     parser.add_argument("--sweep-mm", action="store_true", help="only the BLAS threshold sweep")
     parser.add_argument("--quick", action="store_true", help="fewer adapter counts")
+    parser.add_argument("--order", action="store_true",
+                        help="only a decode step with adapters' requests side by side vs interleaved")
     parser.add_argument("--library", action="store_true",
                         help="only our kernel against oneDNN on the same LoRA products")
     args = parser.parse_args()
@@ -303,6 +323,8 @@ def main() -> None:
         sweep_mm(bench)
     elif args.library:
         library_compare(bench)
+    elif args.order:
+        order_compare(bench)
     else:
         run_scenarios(bench, args.quick)
 

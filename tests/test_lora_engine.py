@@ -143,6 +143,28 @@ def test_more_adapters_than_slots_evict_and_reload_identically(base, adapters, p
     assert manager.num_device_loads == len(order)  # every switch past 2 slots reloaded from host
 
 
+def test_a_step_puts_each_adapters_requests_side_by_side(base, adapters, prompts):
+    """Requests arriving with interleaved adapters run as one segment per adapter: every step
+    orders its requests by adapter (base model first), arrival order kept within one."""
+    llm = LLM(base, max_model_len=256, kv_cache_memory_bytes=32 << 20, enable_lora=True, max_loras=4)
+    runner = llm.llm_engine.runner
+    build, steps = runner._lora_segments, []
+
+    def recording(sched):
+        steps.append([(item.request.lora_id, item.request.arrival_time) for item in sched.scheduled])
+        return build(sched)
+
+    runner._lora_segments = recording
+    loras = [adapters[0], adapters[1], None, adapters[0], adapters[1], adapters[0]]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[: len(loras)]], greedy(), use_tqdm=False,
+                           lora_request=loras)
+    assert steps and all(step == sorted(step) for step in steps), steps
+    assert any(len({lora_id for lora_id, _ in step}) == 3 and len(step) == 6 for step in steps)
+    for prompt, lora, out in zip(prompts, loras, outputs, strict=False):
+        assert out.outputs[0].token_ids == expected_tokens(base, prompt, lora), lora and lora.lora_name
+    llm.llm_engine.assert_no_leaks()
+
+
 def test_adapters_and_kv_share_one_block_pool(base, adapters, prompts):
     # Adapters take 1 + 4 + 8 + 64 blocks, the 8 requests up to 48: 100 blocks force them to compete.
     llm = LLM(base, max_model_len=128, num_gpu_blocks_override=100, enable_lora=True, max_loras=4, enable_prefix_caching=False)

@@ -178,6 +178,12 @@ class Scheduler:
             budget = self._schedule_swapped(out, budget)
             if not self.swapped:
                 self._schedule_waiting(out, budget)
+        if self.lora is not None:
+            # Requests for one adapter side by side: the runner's LoRA segments are runs of
+            # neighbouring tokens with one adapter, and a longer segment reuses each weight it
+            # reads over more rows. Stable, so arrival order holds within an adapter; the
+            # batch's order has no other meaning (attention and sampling go by request).
+            out.scheduled.sort(key=lambda item: item.request.lora_id)
         out.blocks_to_copy = self.kv.take_pending_copies()
         out.finished_ids, self._finished_ids = self._finished_ids, []
         return out
