@@ -8,8 +8,8 @@ The flat token batch is cut into runs of consecutive tokens that use one adapter
 
 Neighbouring requests with the same adapter merge into one segment (longer segments run
 more efficiently); base-model runs between segments become rank-0 segments (skipped), and
-leading / trailing ones fall outside [seg_starts[0], seg_starts[S]). Sorting a step's
-requests by adapter therefore makes segments as long as they can be.
+leading / trailing ones fall outside [seg_starts[0], seg_starts[S]). The scheduler orders a
+step's requests by adapter, so segments are as long as they can be.
 
 Tables are contiguous (num_layers, num_modules, S): `segments.apply(y, x, storage_a,
 storage_b, table_slices(layer, modules))` has the op read rows (layer, module) in place, all
