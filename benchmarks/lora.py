@@ -116,7 +116,7 @@ def make_llm(args: argparse.Namespace, max_loras: int, max_cpu_loras: int, quant
     llm = LLM(args.model, enable_lora=True, max_loras=max_loras, max_lora_rank=64,
               max_cpu_loras=max_cpu_loras, kv_cache_memory_bytes=args.kv_cache_bytes,
               max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=2048,
-              quantization=quantization, lora_dtype=args.lora_dtype)
+              quantization=quantization, dtype=args.dtype, lora_dtype=args.lora_dtype)
     # Warm-up, also of the LoRA path (its kernel loads on first use), with a throwaway adapter.
     warm = LoRARequest("warm-up", 99999, str(adapter_folder(args.model, 8, QKVO, 0)))
     llm.generate([{"prompt_token_ids": [11, 12, 13]}] * 2, SamplingParams(max_tokens=4), use_tqdm=False,
@@ -556,6 +556,8 @@ def main() -> None:
     p.add_argument("--max-cpu-loras", type=int, default=256)
     p.add_argument("--distinct-files", type=int, default=8)
     p.add_argument("--kv-cache-bytes", type=int, default=3 << 30)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the model's dtype (auto: float32 on CPU)")
     p.add_argument("--lora-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="adapters' dtype in the KV pool (the engine's lora_dtype)")
     p.add_argument("--repeats", type=int, default=3)
