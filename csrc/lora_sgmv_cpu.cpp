@@ -72,10 +72,11 @@ constexpr int kRankChunk = 8;           // ranks per phase-1 task
 constexpr int kChunk = 512;             // elements of `in` per phase-1 pass (L1 blocking)
 constexpr int64_t kTaskMacs = 32768;    // target multiply-adds per task (~1-2 us)
 constexpr int64_t kThreadMacs = 65536;  // fewer threads below this much work each (fork ~2 us)
-// Phase 2 by BLAS from this many rows: with K = rank, y's read-modify-write dominates, and
-// MKL's addmm_ keeps it in cache better. LoRA ms per layer, 7 projections, 2 threads, SIMD
-// vs BLAS: rank 16 at 128 / 256 / 384 / 512 / 2048 rows 0.47 / 1.01 / 2.50 / 2.30 / 11.3 vs
-// 0.56 / 0.96 / 2.08 / 1.79 / 6.7; at 384 rows ranks 8 / 32 / 64 gain 6% / 13% / 6%.
+// Phase 2 by BLAS from this many rows, where MKL's addmm_ measured faster than the panel
+// kernel (K = rank is small, and y's read-modify-write weighs most). LoRA ms per layer, 7
+// projections, 2 threads, SIMD vs BLAS: rank 16 at 128 / 256 / 512 / 2048 rows 0.47 / 1.01 /
+// 2.30 / 11.3 vs 0.56 / 0.96 / 1.79 / 6.7; at 384 rows (another run) ranks 8 / 16 / 32 / 64
+// gain 6% / 17% / 13% / 6%.
 constexpr int kMm2MinRows = 384;
 
 // ---- SIMD layer: one struct per ISA, same static interface ------------------------------
