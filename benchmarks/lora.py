@@ -26,6 +26,9 @@ Parts (--parts, comma-separated):
               few adapters' weights), the order rotating; the ratios of the runs' throughputs
               follow from the summed forward times (settings and --adapters as for the sweep;
               K = 1 is skipped)
+    order     a step's requests side by side by adapter (the scheduler's order) vs the
+              segments arrival order would give, paired per step (settings and --adapters as
+              for the sweep)
     switch    heterogeneous batching vs merge-and-switch (merge one adapter into the base,
               run its queued requests, unmerge, next) for 2, 5 and 20 adapters, all queued;
               and the same batch on the base model alone (no LoRA work), whose speed-up over
@@ -417,6 +420,55 @@ def pair_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple[
             "vs_per_rank": walls["per_rank"] / walls["own"], "per_rank_vs_1_adapter": walls["single"] / walls["per_rank"]}
 
 
+def part_order(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
+    """A step's requests side by side by adapter (the scheduler's order) vs in arrival order,
+    paired per step: the K-adapter workload runs, and every step's forward also runs with
+    the segments arrival order would give (a new segment wherever the adapter changes from
+    one request to the next in arrival order). Same tokens, same FLOPs; only the segments
+    differ, as they did before the scheduler grouped requests by adapter."""
+    from pagedserve.lora.segments import build_segments
+
+    rows = []
+    for item in args.settings.split(","):
+        ranks_s, alpha_s = item.split(":")
+        ranks, alpha = (MIXED_RANKS if ranks_s == "mixed" else (int(ranks_s),)), float(alpha_s)
+        for k in (k for k in map(int, args.adapters.split(",")) if k > 1):
+            adapters = make_adapters(args.model, k, ranks, QKVO, args.distinct_files)
+            choice = adapter_choice(len(reqs), k, alpha, args.seed)
+            llm = make_llm(args, args.max_loras, args.max_cpu_loras)
+            preload(llm, [adapters[j] for j in sorted(set(choice))], args.max_cpu_loras)
+            runner, manager = llm.llm_engine.runner, llm.llm_engine.lora_manager
+
+            def arrival_order(sched: Any, runner: Any = runner, manager: Any = manager) -> Any:
+                items = sched.scheduled  # grouped by adapter, arrival order within each
+                by_arrival = sorted(range(len(items)), key=lambda i: (items[i].request.arrival_time, i))
+                # A request continues its predecessor's segment in arrival order only if both
+                # use one adapter (then they are also neighbours in the grouped layout).
+                cut = {by_arrival[0]} | {i for p, i in zip(by_arrival, by_arrival[1:], strict=False)
+                                         if i != p + 1 or items[i].request.lora_id != items[p].request.lora_id}
+                runs: list[list] = []
+                for i, item in enumerate(items):
+                    lora_id = item.request.lora_id
+                    if i in cut or not runs:
+                        runs.append([0, manager.resident(lora_id) if lora_id else None])
+                    runs[-1][0] += item.num_new_tokens
+                return build_segments([tuple(r) for r in runs], len(runner.attn_layers), len(TARGETABLE),
+                                      merge_neighbours=False)
+
+            result, times = paired_run(llm, {"arrival": arrival_order}, lambda llm=llm, choice=choice, adapters=adapters: (
+                run_online(llm, reqs, [adapters[j] for j in choice], arrivals(len(reqs), args.rate, args.seed))))
+            grouped, arrival = one_sided_wall(result, times, "own"), one_sided_wall(result, times, "arrival")
+            row = {"num_adapters": k, "ranks": "mixed" if len(ranks) > 1 else str(ranks[0]), "alpha": alpha,
+                   "grouped_forward_s": times["own"], "arrival_forward_s": times["arrival"],
+                   "speedup": arrival / grouped}
+            rows.append(row)
+            print(f"  K={k:5d} ranks={row['ranks']:5s} alpha={alpha:3.1f}: forwards {times['own']:.2f} s grouped "
+                  f"vs {times['arrival']:.2f} s in arrival order -> grouped {row['speedup']:.3f}x the "
+                  f"throughput", flush=True)
+            del llm
+    return rows
+
+
 def part_switch(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
     """All requests queued; request i uses adapter i mod K. Batched vs merge-and-switch."""
     rows = []
@@ -595,6 +647,7 @@ def main() -> None:
         ("merged", "merged", "merged", lambda: part_merged(args, reqs)),
         ("steps", "merged, paired per step", "steps", lambda: part_steps(args, reqs)),
         ("pairs", "K adapters vs 1, paired per step", "pairs", lambda: part_pairs(args, reqs)),
+        ("order", "grouped by adapter vs arrival order, paired per step", "order", lambda: part_order(args, reqs)),
         ("switch", "merge-and-switch", "switch", lambda: part_switch(args, reqs)),
         ("coldload", "cold loads", "coldload", lambda: part_coldload(args, reqs)),
     ]

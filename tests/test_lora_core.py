@@ -471,6 +471,9 @@ def test_segments_mixed_batch(model_path) -> None:
     runs = [(n, resident[k][1] if k else None) for n, k in plan]
     segs = build_segments(runs, cfg.num_hidden_layers, len(TARGETABLE))
     assert segs.seg_starts.tolist() == [2, 6, 7, 11, 12, 17]  # a | b | base | b | a
+    unmerged = build_segments(runs, cfg.num_hidden_layers, len(TARGETABLE), merge_neighbours=False)
+    assert unmerged.seg_starts.tolist() == [2, 3, 6, 7, 11, 12, 17]  # a | a | b | base | b | a
+    assert unmerged.ranks[..., 0].tolist() == unmerged.ranks[..., 1].tolist() == segs.ranks[..., 0].tolist()
     owner = [k for n, k in plan for _ in range(n)]
     dims = module_dims_for(cfg)
     for layer in range(cfg.num_hidden_layers):

@@ -100,13 +100,16 @@ def _key(adapter: ResidentAdapter | None) -> int:
 
 
 def build_segments(
-    runs: Sequence[tuple[int, ResidentAdapter | None]], num_layers: int, num_modules: int
+    runs: Sequence[tuple[int, ResidentAdapter | None]], num_layers: int, num_modules: int,
+    merge_neighbours: bool = True,
 ) -> LoRASegments:
     """Segment tables for a step whose tokens come in `runs` of (num_tokens, adapter or None).
 
     Args:
         runs: in token order, e.g. one per scheduled request; None = base model.
         num_layers, num_modules: the layouts' table shape.
+        merge_neighbours: neighbouring runs with one adapter become one segment (False:
+            a segment per run, for benchmarks that compare the two).
     """
     merged: list[list] = []  # [start, end, adapter]
     pos = 0
@@ -114,7 +117,7 @@ def build_segments(
         if n <= 0:
             continue
         # Resident adapters never share a first block, so it identifies the adapter.
-        if merged and _key(merged[-1][2]) == _key(adapter):
+        if merge_neighbours and merged and _key(merged[-1][2]) == _key(adapter):
             merged[-1][1] += n
         else:
             merged.append([pos, pos + n, adapter])
