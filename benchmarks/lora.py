@@ -91,6 +91,19 @@ def make_adapters(model: str, k: int, ranks: tuple[int, ...], targets: list[str]
     return out
 
 
+def settings(args: argparse.Namespace) -> list[tuple[tuple[int, ...], float]]:
+    """--settings as (ranks, alpha) pairs."""
+    out = []
+    for item in args.settings.split(","):
+        ranks, alpha = item.split(":")
+        out.append((MIXED_RANKS if ranks == "mixed" else (int(ranks),), float(alpha)))
+    return out
+
+
+def ranks_label(ranks: tuple[int, ...]) -> str:
+    return "mixed" if len(ranks) > 1 else str(ranks[0])
+
+
 def workload(n: int, vocab: int, seed: int) -> list[dict[str, Any]]:
     rng = np.random.default_rng(seed)
     inputs = rng.integers(8, 512, n)
@@ -196,7 +209,7 @@ def sweep_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple
     preload(llm, [adapters[j] for j in used], args.max_cpu_loras)
     result = run_online(llm, reqs, [adapters[j] for j in choice], arrivals(len(reqs), args.rate, args.seed))
     manager = llm.llm_engine.lora_manager
-    result.update(num_adapters=k, ranks="mixed" if len(ranks) > 1 else str(ranks[0]), alpha=alpha,
+    result.update(num_adapters=k, ranks=ranks_label(ranks), alpha=alpha,
                   distinct_used=len(used), disk_loads=manager.num_disk_loads,
                   device_loads=manager.num_device_loads, quantization=quantization or "none",
                   lora_dtype=args.lora_dtype)
@@ -206,13 +219,7 @@ def sweep_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple
 
 def part_sweep(args: argparse.Namespace, reqs: list[dict], quantization: str | None = None) -> list[dict]:
     rows = []
-    settings = []
-    for item in args.settings.split(","):
-        ranks, alpha = item.split(":")
-        settings.append((MIXED_RANKS if ranks == "mixed" else (int(ranks),), float(alpha)))
-    if quantization:
-        settings = [((8,), 1.0)]
-    for ranks, alpha in settings:
+    for ranks, alpha in [((8,), 1.0)] if quantization else settings(args):
         base = None
         for k in map(int, args.adapters.split(",")):
             if alpha != 1.0 and k == 1:
@@ -357,22 +364,25 @@ def part_steps(args: argparse.Namespace, reqs: list[dict]) -> dict:
     return out
 
 
+def paired_points(args: argparse.Namespace, reqs: list[dict], point: Any, describe: Any) -> list[dict]:
+    """`point(args, reqs, k, ranks, alpha)` for every --settings pair and every K > 1 of
+    --adapters (one adapter has nothing to pair against); prints `describe(row)` after each."""
+    rows = []
+    for ranks, alpha in settings(args):
+        for k in (k for k in map(int, args.adapters.split(",")) if k > 1):
+            rows.append(point(args, reqs, k, ranks, alpha))
+            print(f"  K={k:5d} ranks={rows[-1]['ranks']:5s} alpha={alpha:3.1f}: {describe(rows[-1])}", flush=True)
+    return rows
+
+
 def part_pairs(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
     """K adapters vs 1 adapter, paired per step (see the module docstring)."""
-    rows = []
-    for item in args.settings.split(","):
-        ranks_s, alpha_s = item.split(":")
-        ranks, alpha = (MIXED_RANKS if ranks_s == "mixed" else (int(ranks_s),)), float(alpha_s)
-        for k in (k for k in map(int, args.adapters.split(",")) if k > 1):
-            row = pair_point(args, reqs, k, ranks, alpha)
-            rows.append(row)
-            print(f"  K={k:5d} ranks={row['ranks']:5s} alpha={alpha:3.1f}: forwards {row['multi']:.2f} s "
-                  f"(K adapters) vs {row['single']:.2f} s (1 adapter), tables {row['multi_tables']:.2f} / "
-                  f"{row['single_tables']:.2f} s -> {row['vs_1_adapter']:.3f}x of the 1-adapter throughput "
-                  f"({row['device_loads']} device loads); one adapter per rank {row['per_rank']:.2f} s -> "
-                  f"K adapters {row['vs_per_rank']:.3f}x of it, it {row['per_rank_vs_1_adapter']:.3f}x of 1 adapter",
-                  flush=True)
-    return rows
+    return paired_points(args, reqs, pair_point, lambda row: (
+        f"forwards {row['multi']:.2f} s (K adapters) vs {row['single']:.2f} s (1 adapter), tables "
+        f"{row['multi_tables']:.2f} / {row['single_tables']:.2f} s -> {row['vs_1_adapter']:.3f}x of the "
+        f"1-adapter throughput ({row['device_loads']} device loads); one adapter per rank "
+        f"{row['per_rank']:.2f} s -> K adapters {row['vs_per_rank']:.3f}x of it, it "
+        f"{row['per_rank_vs_1_adapter']:.3f}x of 1 adapter"))
 
 
 def pair_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple[int, ...], alpha: float) -> dict:
@@ -382,15 +392,13 @@ def pair_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple[
     weights instead of up to one per token). K vs single is the figure; K vs per_rank is the
     cost of many adapters' weights alone, and per_rank vs single that of the ranks and
     segments."""
-    from pagedserve.lora.segments import build_segments
-
     adapters = make_adapters(args.model, k, ranks, QKVO, args.distinct_files)
     choice = adapter_choice(len(reqs), k, alpha, args.seed)
     single = adapters[0]  # what the sweep's 1-adapter run serves (rank ranks[0])
     per_rank = adapters[:len(ranks)]  # adapter j has rank ranks[j % len(ranks)]
     llm = make_llm(args, args.max_loras, args.max_cpu_loras)
     preload(llm, per_rank + [adapters[j] for j in sorted(set(choice)) if j >= len(ranks)], args.max_cpu_loras)
-    runner, manager = llm.llm_engine.runner, llm.llm_engine.lora_manager
+    manager = llm.llm_engine.lora_manager
     # Onto the device; they stay there (--max-loras exceeds the adapters a run uses, so
     # nothing is evicted: `manager.resident` would raise otherwise).
     for adapter in per_rank:
@@ -400,18 +408,15 @@ def pair_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple[
     stand_in = {rank: a.lora_int_id for rank, a in zip(ranks[:len(per_rank)], per_rank, strict=True)}
 
     def segments_for(lora_id_of: Any) -> Any:
-        def build(sched: Any) -> Any:
-            return build_segments(
-                [(item.num_new_tokens, manager.resident(lora_id_of(item.request.lora_id))) for item in sched.scheduled],
-                len(runner.attn_layers), len(TARGETABLE))
-        return build
+        return lambda sched: step_segments(llm, [(item.num_new_tokens, lora_id_of(item.request.lora_id))
+                                                 for item in sched.scheduled])
 
     alternatives = {"single": segments_for(lambda lora_id: single.lora_int_id),
                     "per_rank": segments_for(lambda lora_id: stand_in[rank_of[lora_id]])}
     result, times = paired_run(llm, alternatives, lambda: run_online(
         llm, reqs, [adapters[j] for j in choice], arrivals(len(reqs), args.rate, args.seed)))
     walls = {side: one_sided_wall(result, times, side) for side in ("own", "single", "per_rank")}
-    return {"num_adapters": k, "ranks": "mixed" if len(ranks) > 1 else str(ranks[0]), "alpha": alpha,
+    return {"num_adapters": k, "ranks": ranks_label(ranks), "alpha": alpha,
             "lora_dtype": args.lora_dtype, "distinct_used": len(set(choice)),
             "device_loads": manager.num_device_loads, "multi": times["own"], "single": times["single"],
             "per_rank": times["per_rank"], "multi_tables": times["own_tables"],
@@ -420,53 +425,54 @@ def pair_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple[
             "vs_per_rank": walls["per_rank"] / walls["own"], "per_rank_vs_1_adapter": walls["single"] / walls["per_rank"]}
 
 
+def step_segments(llm: LLM, runs: list[tuple[int, int]], merge_neighbours: bool = True) -> Any:
+    """A step's segment tables for runs of (tokens, adapter id; 0 = base model), the
+    adapters resident on the device."""
+    from pagedserve.lora.segments import build_segments
+
+    runner, manager = llm.llm_engine.runner, llm.llm_engine.lora_manager
+    return build_segments([(n, manager.resident(lora_id) if lora_id else None) for n, lora_id in runs],
+                          len(runner.attn_layers), len(TARGETABLE), merge_neighbours)
+
+
+def arrival_order_runs(sched: Any) -> list[tuple[int, int]]:
+    """The runs of (tokens, adapter id) that arrival order would have given a step whose
+    requests the scheduler grouped by adapter (arrival order within each): a new run wherever
+    the adapter changes from one request to the next in arrival order. Requests that follow
+    each other in arrival order with one adapter are neighbours in the grouped layout too."""
+    items = sched.scheduled
+    by_arrival = sorted(range(len(items)), key=lambda i: (items[i].request.arrival_time, i))
+    continues = {i for p, i in zip(by_arrival, by_arrival[1:], strict=False)
+                 if i == p + 1 and items[i].request.lora_id == items[p].request.lora_id}
+    runs: list[list[int]] = []
+    for i, item in enumerate(items):
+        if i not in continues:  # always so for i = 0
+            runs.append([0, item.request.lora_id])
+        runs[-1][0] += item.num_new_tokens
+    return [(n, lora_id) for n, lora_id in runs]
+
+
 def part_order(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
     """A step's requests side by side by adapter (the scheduler's order) vs in arrival order,
     paired per step: the K-adapter workload runs, and every step's forward also runs with
-    the segments arrival order would give (a new segment wherever the adapter changes from
-    one request to the next in arrival order). Same tokens, same FLOPs; only the segments
-    differ, as they did before the scheduler grouped requests by adapter."""
-    from pagedserve.lora.segments import build_segments
+    the segments arrival order would give (`arrival_order_runs`). Same tokens, same FLOPs;
+    only the segments differ, as they did before the scheduler grouped requests by adapter."""
+    return paired_points(args, reqs, order_point, lambda row: (
+        f"forwards {row['grouped_forward_s']:.2f} s grouped vs {row['arrival_forward_s']:.2f} s in arrival "
+        f"order -> grouped {row['speedup']:.3f}x the throughput"))
 
-    rows = []
-    for item in args.settings.split(","):
-        ranks_s, alpha_s = item.split(":")
-        ranks, alpha = (MIXED_RANKS if ranks_s == "mixed" else (int(ranks_s),)), float(alpha_s)
-        for k in (k for k in map(int, args.adapters.split(",")) if k > 1):
-            adapters = make_adapters(args.model, k, ranks, QKVO, args.distinct_files)
-            choice = adapter_choice(len(reqs), k, alpha, args.seed)
-            llm = make_llm(args, args.max_loras, args.max_cpu_loras)
-            preload(llm, [adapters[j] for j in sorted(set(choice))], args.max_cpu_loras)
-            runner, manager = llm.llm_engine.runner, llm.llm_engine.lora_manager
 
-            def arrival_order(sched: Any, runner: Any = runner, manager: Any = manager) -> Any:
-                items = sched.scheduled  # grouped by adapter, arrival order within each
-                by_arrival = sorted(range(len(items)), key=lambda i: (items[i].request.arrival_time, i))
-                # A request continues its predecessor's segment in arrival order only if both
-                # use one adapter (then they are also neighbours in the grouped layout).
-                cut = {by_arrival[0]} | {i for p, i in zip(by_arrival, by_arrival[1:], strict=False)
-                                         if i != p + 1 or items[i].request.lora_id != items[p].request.lora_id}
-                runs: list[list] = []
-                for i, item in enumerate(items):
-                    lora_id = item.request.lora_id
-                    if i in cut or not runs:
-                        runs.append([0, manager.resident(lora_id) if lora_id else None])
-                    runs[-1][0] += item.num_new_tokens
-                return build_segments([tuple(r) for r in runs], len(runner.attn_layers), len(TARGETABLE),
-                                      merge_neighbours=False)
-
-            result, times = paired_run(llm, {"arrival": arrival_order}, lambda llm=llm, choice=choice, adapters=adapters: (
-                run_online(llm, reqs, [adapters[j] for j in choice], arrivals(len(reqs), args.rate, args.seed))))
-            grouped, arrival = one_sided_wall(result, times, "own"), one_sided_wall(result, times, "arrival")
-            row = {"num_adapters": k, "ranks": "mixed" if len(ranks) > 1 else str(ranks[0]), "alpha": alpha,
-                   "grouped_forward_s": times["own"], "arrival_forward_s": times["arrival"],
-                   "speedup": arrival / grouped}
-            rows.append(row)
-            print(f"  K={k:5d} ranks={row['ranks']:5s} alpha={alpha:3.1f}: forwards {times['own']:.2f} s grouped "
-                  f"vs {times['arrival']:.2f} s in arrival order -> grouped {row['speedup']:.3f}x the "
-                  f"throughput", flush=True)
-            del llm
-    return rows
+def order_point(args: argparse.Namespace, reqs: list[dict], k: int, ranks: tuple[int, ...], alpha: float) -> dict:
+    adapters = make_adapters(args.model, k, ranks, QKVO, args.distinct_files)
+    choice = adapter_choice(len(reqs), k, alpha, args.seed)
+    llm = make_llm(args, args.max_loras, args.max_cpu_loras)
+    preload(llm, [adapters[j] for j in sorted(set(choice))], args.max_cpu_loras)
+    alternatives = {"arrival": lambda sched: step_segments(llm, arrival_order_runs(sched), merge_neighbours=False)}
+    result, times = paired_run(llm, alternatives, lambda: run_online(
+        llm, reqs, [adapters[j] for j in choice], arrivals(len(reqs), args.rate, args.seed)))
+    grouped, arrival = one_sided_wall(result, times, "own"), one_sided_wall(result, times, "arrival")
+    return {"num_adapters": k, "ranks": ranks_label(ranks), "alpha": alpha, "grouped_forward_s": times["own"],
+            "arrival_forward_s": times["arrival"], "speedup": arrival / grouped}
 
 
 def part_switch(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:

@@ -217,13 +217,17 @@ def library_compare(bench: Bench, rank: int = 16) -> None:
     projections, one layer, warm): the shrink x . A^T (N = rank) and the expand t . B^T
     (K = rank). oneDNN gets prepacked weights and writes fresh outputs (no add into y, which
     favours it); the base projections are timed the same way for its rate on big GEMMs."""
-    from pagedserve.quantization.packed import _EXPECTED_ROWS
+    from pagedserve.quantization.packed import PACKED
 
-    def packed(w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(w.to(bench.dtype), _EXPECTED_ROWS)
+    def packed(w: torch.Tensor) -> torch.nn.Linear:
+        """A linear layer of weight w, prepacked as the engine does on the CPU."""
+        layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=bench.dtype)
+        layer.weight.data.copy_(w)
+        PACKED.process_weights_after_loading(layer)
+        return layer
 
-    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+        return PACKED.apply(layer, x)
 
     def best(f: Callable[[], None], reps: int = 200) -> float:
         for _ in range(20):
@@ -250,7 +254,7 @@ def library_compare(bench: Bench, rank: int = 16) -> None:
         source = {name: x["i" if name == "down_proj" else "h"] for name in DIMS}
         fused_source = {out: x["i" if out == "down" else "h"] for out in FUSED}
         t = torch.randn(n, rank, dtype=bench.dtype)
-        outs = {out: torch.zeros(n, base_w[out].size(0), dtype=bench.dtype) for out in FUSED}
+        outs = {out: torch.zeros(n, base_w[out].out_features, dtype=bench.dtype) for out in FUSED}
         segs = bench.segments([n], [rank])
 
         def shrink(source: dict = source) -> None:
@@ -282,7 +286,7 @@ def order_compare(bench: Bench) -> None:
     """A decode step whose requests come interleaved by adapter (one-token segments) vs the
     same requests side by side (one segment per adapter, as the scheduler orders them)."""
     print("decode step, adapters' requests side by side vs interleaved: LoRA ms per layer")
-    for tokens, k in ((32, 8), (48, 4), (48, 8), (128, 16)):
+    for tokens, k in ((8, 4), (16, 8), (32, 8), (48, 4), (48, 8), (128, 16)):
         for label, ranks in (("r=8", [8] * k), ("mixed", [MIXED[i % 4] for i in range(k)])):
             placed = place_adapters(ranks, bench.num_layers, bench.block_elems)
             per = tokens // k

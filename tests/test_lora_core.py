@@ -578,6 +578,19 @@ def test_lora_linear_over_a_packed_base_equals_the_two_ops(model_path, monkeypat
     assert not torch.equal(separate, layer(x))  # the adapter changed the output
 
 
+def stored_back_to_back(mats, out_dim: int, starts: list[int], scales: list[float]):
+    """Segment s's (A, B) in mats stored one after another (B in panels): (storage_a,
+    storage_b, the tables `lora_apply` takes after them)."""
+    ranks = [a.shape[0] for a, _ in mats]
+    sa = torch.cat([a.reshape(-1) for a, _ in mats])
+    sb = torch.cat([kernels.pack_lora_b(b) for _, b in mats])
+    a_off = [sum(a.numel() for a, _ in mats[:i]) for i in range(len(mats))]
+    b_off = [sum(kernels.b_region_elems(out_dim, r) for r in ranks[:i]) for i in range(len(mats))]
+    args = (torch.tensor(starts), torch.tensor(a_off), torch.tensor(b_off),
+            torch.tensor(ranks, dtype=torch.int32), torch.tensor(scales, dtype=torch.float32))
+    return sa, sb, args
+
+
 def test_kernel_long_rank16_segments(ops) -> None:
     """Segments with a rank multiple of 16 and >= 96 tokens (>= 32 from rank 32) take the
     transposed phase 1 (csrc: phase1_at); it must agree with the dense product and not
@@ -586,14 +599,9 @@ def test_kernel_long_rank16_segments(ops) -> None:
     g = torch.Generator().manual_seed(11)
     mats = [(torch.randn(r, in_dim, generator=g) / in_dim**0.5, torch.randn(out_dim, r, generator=g) / r**0.5)
             for r in ranks]
-    sa = torch.cat([a.reshape(-1) for a, _ in mats])
-    sb = torch.cat([kernels.pack_lora_b(b) for _, b in mats])
-    a_off = [sum(a.numel() for a, _ in mats[:i]) for i in range(len(mats))]
-    b_off = [sum(kernels.b_region_elems(out_dim, r) for r in ranks[:i]) for i in range(len(mats))]
     starts = [0, *itertools.accumulate(lens)]
     scales = [0.5, 2.0, 1.0, 1.5, 0.25]
-    args = (torch.tensor(starts), torch.tensor(a_off), torch.tensor(b_off),
-            torch.tensor(ranks, dtype=torch.int32), torch.tensor(scales, dtype=torch.float32))
+    sa, sb, args = stored_back_to_back(mats, out_dim, starts, scales)
     x = torch.randn(starts[-1], in_dim, generator=g)
     threads = torch.get_num_threads()
     outs = []
@@ -621,14 +629,9 @@ def test_kernel_blas_phase2_for_long_segments(ops, lora_dtype, out_dim: int) -> 
     g = torch.Generator().manual_seed(5)
     mats = [((torch.randn(r, in_dim, generator=g) / in_dim**0.5).to(lora_dtype),
              (torch.randn(out_dim, r, generator=g) / r**0.5).to(lora_dtype)) for r in ranks]
-    sa = torch.cat([a.reshape(-1) for a, _ in mats])
-    sb = torch.cat([kernels.pack_lora_b(b) for _, b in mats])
-    a_off = [sum(a.numel() for a, _ in mats[:i]) for i in range(len(mats))]
-    b_off = [sum(kernels.b_region_elems(out_dim, r) for r in ranks[:i]) for i in range(len(mats))]
     starts = [2, *(2 + n for n in itertools.accumulate(lens))]
     scales = [0.5, 2.0, 0.25, 1.0]
-    args = (torch.tensor(starts), torch.tensor(a_off), torch.tensor(b_off),
-            torch.tensor(ranks, dtype=torch.int32), torch.tensor(scales, dtype=torch.float32))
+    sa, sb, args = stored_back_to_back(mats, out_dim, starts, scales)
     x = torch.randn(starts[-1] + 1, in_dim, generator=g)
     wide = torch.randn(x.shape[0], out_dim + 9, generator=g)
     y = wide.clone()
