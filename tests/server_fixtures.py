@@ -57,13 +57,15 @@ def running_server(serve_argv: list[str]) -> Iterator[LiveServer]:
     """A real server (uvicorn in a thread) for `pagedserve serve <serve_argv>`."""
     import uvicorn
 
-    from pagedserve.entrypoints.cli import build_parser, resolve_model
+    from pagedserve.entrypoints.cli import build_parser
+    from pagedserve.entrypoints.model_source import engine_args_from
     from pagedserve.server.api_server import build_app
     from pagedserve.server.launch import build_context
 
     args = build_parser().parse_args(["serve", *serve_argv])
-    model_path, name = resolve_model(args.model)
-    ctx = build_context(args, model_path, name)
+    engine_args, name = engine_args_from(args)
+    model_path = str(engine_args.model)
+    ctx = build_context(args, engine_args, name)
     sock = _bound_socket()
     port = sock.getsockname()[1]
     config = uvicorn.Config(build_app(ctx), log_level="warning", timeout_graceful_shutdown=2)

@@ -24,7 +24,8 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
 from pagedserve.config import CacheConfig, ModelConfig
-from pagedserve.entrypoints.cli import build_parser, engine_kwargs
+from pagedserve.engine_args import EngineArgs
+from pagedserve.entrypoints.cli import build_parser
 from pagedserve.models.layers.linear import LinearBase
 from pagedserve.models.loader import load_model, weight_bytes
 from pagedserve.quantization import QuantizationConfig
@@ -443,6 +444,6 @@ def test_cli_flags() -> None:
         "generate", "m", "--prompt", "x", "--quantization", "int4",
         "--quantization-group-size", "64", "--quantize-lm-head", "--kv-cache-dtype", "int8",
     ])
-    kwargs = engine_kwargs(args, "m")
-    assert (kwargs["quantization"], kwargs["quantization_group_size"]) == ("int4", 64)
-    assert kwargs["quantize_lm_head"] is True and kwargs["kv_cache_dtype"] == "int8"
+    engine_args = EngineArgs.from_cli_args(args)
+    assert (engine_args.quantization, engine_args.quantization_group_size) == ("int4", 64)
+    assert engine_args.quantize_lm_head is True and engine_args.kv_cache_dtype == "int8"

@@ -502,7 +502,7 @@ def test_error_after_stream_started_is_an_error_chunk() -> None:
 
 
 def test_parse_bytes() -> None:
-    from pagedserve.entrypoints.cli import parse_bytes
+    from pagedserve.engine_args import parse_bytes
 
     assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("512MB") == 512 * 10**6 and parse_bytes("1e9") == 10**9
     assert parse_bytes("64MiB") == 64 << 20 and parse_bytes("4096") == 4096

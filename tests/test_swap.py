@@ -49,7 +49,7 @@ def test_recompute_and_auto_change_nothing(setup, mode):
 def test_full_swap_pool_falls_back_to_recompute(setup):
     path, prompts, params, expected = setup
     llm = LLM(path, max_model_len=128, num_gpu_blocks_override=10, enable_prefix_caching=False,
-              preemption_mode="swap", swap_space_bytes=1)  # too small for a single block
+              preemption_mode="swap", swap_space=1e-9)  # 1 byte: too small for a single block
     outputs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.llm_engine.get_stats().scheduler
     assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import math
 import time
@@ -60,7 +59,8 @@ def make_engine(spec: EngineSpec) -> Any:
     Prefix caching is off (contiguous allocation has none; synthetic prompts share nothing)
     and preemption recomputes, so that allocation is the only difference between runs.
     """
-    from pagedserve import LLM
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine_args import EngineArgs
 
     kwargs: dict[str, Any] = dict(
         block_size=spec.block_size,
@@ -74,22 +74,20 @@ def make_engine(spec: EngineSpec) -> Any:
         kv_allocation=spec.kv_allocation,
         batching=spec.batching,
         batch_window_s=spec.batch_window_s,
+        preemption_mode="recompute",
     )
-    accepted = inspect.signature(LLM.__init__).parameters
-    if "preemption_mode" in accepted:
-        kwargs["preemption_mode"] = "recompute"
     if spec.quantization is not None:
         kwargs["quantization"] = spec.quantization
     if spec.max_loras:
         kwargs.update(enable_lora=True, max_loras=spec.max_loras, max_lora_rank=spec.max_lora_rank)
-    return LLM(spec.model, **kwargs).llm_engine
+    return LLMEngine(EngineArgs(model=spec.model, **kwargs).create_engine_config())
 
 
 def llm_accepts(name: str) -> bool:
     """Whether `LLM(...)` takes this keyword (features other engineers are adding)."""
-    from pagedserve import LLM
+    from pagedserve.engine_args import engine_setting_names
 
-    return name in inspect.signature(LLM.__init__).parameters
+    return name in engine_setting_names()
 
 
 def resolve_model_path(model: str) -> str:

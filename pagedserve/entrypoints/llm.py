@@ -8,8 +8,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedserve.beam_search import BeamSearchOutput, BeamSearchParams
-from pagedserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from pagedserve.engine.llm_engine import LLMEngine, PromptInput
+from pagedserve.engine_args import EngineArgs
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -22,103 +22,23 @@ class LLM:
 
     Args:
         model: a Hugging Face folder (config.json, *.safetensors, tokenizer files).
-        tokenizer: tokenizer folder, if not the model's.
-        skip_tokenizer_init: no tokenizer; prompts must be token ids and outputs have no text.
-        dtype: "auto" (float32 on CPU), "float32", "bfloat16" or "float16".
-        seed: seed of the engine's random generator (requests without their own seed).
-        block_size: tokens per KV block.
-        kv_cache_memory_bytes: memory for the KV cache; default a share of free memory.
-        num_gpu_blocks_override: exact number of KV blocks (overrides the memory budget).
-        max_model_len: longest prompt + output; default the model's maximum.
-        max_num_seqs: most requests in one step.
-        max_num_batched_tokens: token budget of one step.
-        enable_chunked_prefill: split long prompts over several steps.
-        enable_prefix_caching: reuse the KV blocks of prompt prefixes seen before.
-        preemption_mode: "recompute", "swap" or "auto" (swap when copying is cheaper).
-        swap_space_bytes: host memory for swapped-out KV blocks.
-        device: "auto", "cpu" or "cuda".
-        enable_lora: serve PEFT LoRA adapters (per request, mixed in one batch).
-        max_loras: adapters resident in the KV memory pool at once.
-        max_lora_rank: largest adapter rank accepted.
-        max_cpu_loras: adapters kept in the host cache (default max(max_loras, 16)).
-        lora_dtype: adapters' dtype in the KV pool: "auto" (the model's), "float32" or
-            "bfloat16" (half the memory and decode reads; weights rounded once).
-        kv_allocation: "paged", or a contiguous baseline for benchmarks ("contiguous-max",
-            "contiguous-pow2", "contiguous-oracle"; see core/contiguous.py).
-        batching: "continuous", or a baseline for benchmarks ("static", "dynamic"; see
-            core/batching.py).
-        batch_window_s: dynamic batching's longest wait for a partial batch.
-        quantization: None, "int8" (per-channel weights) or "int4" (group-wise weights),
-            applied to every linear layer while loading a full-precision checkpoint.
-        quantization_group_size: int4 group size (32, 64, 128 or 256).
-        quantize_lm_head: also quantize the LM head (embeddings stay full precision).
-        kv_cache_dtype: "auto" (the model's dtype) or "int8" (per-token-per-head scales).
+        **kwargs: any engine setting by its vLLM name (`dtype`, `seed`, `block_size`,
+            `kv_cache_memory_bytes`, `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`,
+            `enable_chunked_prefill`, `enable_prefix_caching`, `preemption_mode`, `swap_space`
+            (GiB), `quantization`, `kv_cache_dtype`, `enable_lora`, `max_loras`, ...): the fields
+            of :class:`pagedserve.engine_args.EngineArgs`, where each is documented once. An
+            unknown keyword is a TypeError naming it; a bad value a ValueError naming it.
     """
 
-    def __init__(
-        self,
-        model: str,
-        tokenizer: str | None = None,
-        skip_tokenizer_init: bool = False,
-        dtype: str = "auto",
-        seed: int = 0,
-        block_size: int = 16,
-        kv_cache_memory_bytes: int | None = None,
-        num_gpu_blocks_override: int | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool = True,
-        preemption_mode: str = "auto",
-        swap_space_bytes: int = 1 << 30,
-        device: str = "auto",
-        kv_allocation: str = "paged",
-        batching: str = "continuous",
-        batch_window_s: float = 0.05,
-        quantization: str | None = None,
-        quantization_group_size: int = 128,
-        quantize_lm_head: bool = False,
-        kv_cache_dtype: str = "auto",
-        enable_lora: bool = False,
-        max_loras: int = 4,
-        max_lora_rank: int = 64,
-        max_cpu_loras: int | None = None,
-        lora_dtype: str = "auto",
-    ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(
-                model=str(model),
-                tokenizer=str(tokenizer) if tokenizer is not None else None,
-                skip_tokenizer_init=skip_tokenizer_init,
-                dtype=dtype,
-                seed=seed,
-                max_model_len=max_model_len,
-                quantization=quantization,
-                quantization_group_size=quantization_group_size,
-                quantize_lm_head=quantize_lm_head,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                num_gpu_blocks_override=num_gpu_blocks_override,
-                enable_prefix_caching=enable_prefix_caching,
-                swap_space_bytes=swap_space_bytes,
-                kv_allocation=kv_allocation,
-                kv_cache_dtype=kv_cache_dtype,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill,
-                preemption_mode=preemption_mode,
-                batching=batching,
-                batch_window_s=batch_window_s,
-            ),
-            device=device,
-            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras, lora_dtype) if enable_lora else None,
-        )
-        self.llm_engine = LLMEngine(config)
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineArgs(model=str(model), **kwargs).create_engine_config())
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """An LLM over the engine these settings describe."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine(engine_args.create_engine_config())
+        return llm
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

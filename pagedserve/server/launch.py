@@ -8,9 +8,11 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pagedserve.entrypoints.cli import engine_kwargs, resolve_model
+if TYPE_CHECKING:
+    from pagedserve.engine_args import EngineArgs
+
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -27,22 +29,18 @@ def load_chat_template(value: str | None) -> str | None:
     return value
 
 
-def build_context(args: argparse.Namespace, model_path: str, default_name: str) -> Any:
-    """The ServerContext: engine (from the engine flags), metrics and the serving options."""
+def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_name: str) -> Any:
+    """The ServerContext: engine (from the engine settings), metrics and the serving options."""
     from pagedserve.engine.async_engine import AsyncLLMEngine
-    from pagedserve.entrypoints.llm import LLM
+    from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.server.lora_admin import LoRARegistry
     from pagedserve.server.metrics import ServerMetrics
     from pagedserve.server.serving_common import ServerContext
 
     names = args.served_model_name or [default_name]
-    kwargs = engine_kwargs(args, model_path)
-    if getattr(args, "enable_lora", False):
-        kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                      max_cpu_loras=args.max_cpu_loras, lora_dtype=args.lora_dtype)
-    elif getattr(args, "lora_modules", None):
+    if getattr(args, "lora_modules", None) and not engine_args.enable_lora:
         raise SystemExit("--lora-modules needs --enable-lora")
-    engine = LLM(**kwargs).llm_engine
+    engine = LLMEngine(engine_args.create_engine_config())
     metrics = ServerMetrics(names[0])
     loras = LoRARegistry(
         lora_dirs=[Path(d) for d in getattr(args, "lora_dir", [])],
@@ -56,7 +54,7 @@ def build_context(args: argparse.Namespace, model_path: str, default_name: str) 
     return ServerContext(
         engine=AsyncLLMEngine(engine, metrics, stall_timeout_s=args.stall_timeout),
         model_names=names,
-        model_path=model_path,
+        model_path=str(engine_args.model),
         metrics=metrics,
         api_key=args.api_key or None,
         chat_template=load_chat_template(args.chat_template),
@@ -115,8 +113,10 @@ def serve(args: argparse.Namespace) -> int:
     from pagedserve.server.api_server import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model_path, default_name = resolve_model(args.model)
-    ctx = build_context(args, model_path, default_name)
+    from pagedserve.entrypoints.model_source import engine_args_from
+
+    engine_args, default_name = engine_args_from(args)
+    ctx = build_context(args, engine_args, default_name)
     app = build_app(ctx)
     server = make_server(app, ctx.engine, args.host, args.port, args.log_level, args.shutdown_timeout)
     print(usage_text(args.host, args.port, ctx.model_names[0], ctx.api_key is not None), file=sys.stderr, flush=True)

@@ -1,0 +1,252 @@
+"""Every engine setting, defined once (vLLM's `EngineArgs` pattern).
+
+One field of :class:`EngineArgs` is one setting. Its metadata (help text, group, flag name,
+aliases, parser, choices) generates the `pagedserve serve|generate` flags; the dataclass
+constructor checks `LLM(**kwargs)` (an unknown keyword is a TypeError naming it); and
+:meth:`EngineArgs.create_engine_config` builds the frozen :class:`~pagedserve.config.EngineConfig`.
+
+No torch here: `pagedserve --help` builds its parser from this module without paying for torch.
+
+    field ──metadata──► argparse flag (add_cli_args) ──► Namespace ──► from_cli_args ─┐
+      └──────────────────────── LLM(**kwargs) ────────────────────────────────────────┴─► EngineArgs
+                                                                                           │
+                                                                    create_engine_config() ▼
+                                                                                      EngineConfig
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedserve.config import EngineConfig
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "kib": 2**10,
+    "m": 10**6, "mb": 10**6, "mib": 2**20,
+    "g": 10**9, "gb": 10**9, "gib": 2**30,
+    "t": 10**12, "tb": 10**12, "tib": 2**40,
+}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648, '512MB' -> 512000000, '1e9' -> 1000000000."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1e9)")
+    value = int(float(match.group(1)) * _BYTE_UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return value
+
+
+def parse_gib(text: str) -> float:
+    """vLLM's --swap-space: a bare number is GiB ('4' -> 4.0); a size with a unit is converted."""
+    match = _SIZE.fullmatch(text)
+    if match is not None and not match.group(2):
+        value = float(match.group(1))
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"size must be >= 0, got {text!r}")
+        return value
+    return parse_bytes(text) / 2**30
+
+
+def _setting(
+    help: str,
+    *,
+    group: str = "engine",
+    flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+    parse: Callable[[str], Any] | None = None,
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
+    cli: bool = True,
+) -> dict[str, Any]:
+    """Field metadata: how the setting appears on the command line (`cli=False`: API only)."""
+    return {
+        "help": help, "group": group, "flag": flag, "aliases": aliases, "parse": parse,
+        "choices": choices, "metavar": metavar, "cli": cli,
+    }
+
+
+@dataclass
+class EngineArgs:
+    """The engine's settings, with vLLM's names where vLLM has the setting."""
+
+    model: str | None = field(default=None, metadata=_setting(
+        "Hugging Face model folder, or a built-in demo model name (demo, llama-gqa, ...)", cli=False))
+    tokenizer: str | None = field(default=None, metadata=_setting("tokenizer folder, if not the model's"))
+    skip_tokenizer_init: bool = field(default=False, metadata=_setting(
+        "no tokenizer: prompts must be token ids and outputs have no text"))
+    dtype: str = field(default="auto", metadata=_setting(
+        "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16"))
+    seed: int = field(default=0, metadata=_setting("seed of the engine's random generator"))
+    max_model_len: int | None = field(default=None, metadata=_setting(
+        "longest prompt + output in tokens (default: the model's maximum)"))
+    device: str = field(default="auto", metadata=_setting("auto, cpu or cuda"))
+    quantization: str | None = field(default=None, metadata=_setting(
+        "weight-only quantization of every linear layer at load time "
+        "(int8: per output channel; int4: group-wise)", choices=("int8", "int4")))
+    quantization_group_size: int = field(default=128, metadata=_setting(
+        "int4 group size along the input dim: 32, 64, 128 or 256"))
+    quantize_lm_head: bool = field(default=False, metadata=_setting(
+        "also quantize the LM head (embeddings stay full precision)"))
+
+    block_size: int = field(default=16, metadata=_setting("tokens per KV cache block"))
+    kv_cache_memory_bytes: int | None = field(default=None, metadata=_setting(
+        "memory for the KV cache, e.g. 512MiB or 2GiB (default: a share of free memory)",
+        flag="--kv-cache-memory", aliases=("--kv-cache-memory-bytes",), parse=parse_bytes,
+        metavar="BYTES"))
+    num_gpu_blocks_override: int | None = field(default=None, metadata=_setting(
+        "exact number of KV blocks, overriding the memory budget"))
+    enable_prefix_caching: bool = field(default=True, metadata=_setting(
+        "reuse cached KV blocks of shared prompt prefixes"))
+    swap_space: float = field(default=1.0, metadata=_setting(
+        "host memory for swapped-out KV blocks, in GiB (vLLM's unit); units accepted: 512MiB",
+        parse=parse_gib, metavar="GiB"))
+    kv_cache_dtype: str = field(default="auto", metadata=_setting(
+        "auto (the model's dtype) or int8 (per-token-per-head scales, ~2x the blocks of bf16, "
+        "~4x of fp32)", choices=("auto", "int8")))
+    # Benchmark baselines (core/contiguous.py, core/batching.py): API only, not product flags.
+    kv_allocation: str = field(default="paged", metadata=_setting(
+        "paged, or a contiguous baseline: contiguous-max, contiguous-pow2, contiguous-oracle", cli=False))
+
+    max_num_seqs: int = field(default=256, metadata=_setting("most requests in one step"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_setting("token budget of one step"))
+    enable_chunked_prefill: bool = field(default=True, metadata=_setting(
+        "split long prompts over several steps"))
+    preemption_mode: str = field(default="auto", metadata=_setting(
+        "how to preempt under memory pressure (auto: swap when copying is cheaper)",
+        choices=("recompute", "swap", "auto")))
+    batching: str = field(default="continuous", metadata=_setting(
+        "continuous, or a baseline: static, dynamic", cli=False))
+    batch_window_s: float = field(default=0.05, metadata=_setting(
+        "dynamic batching's longest wait for a partial batch", cli=False))
+
+    enable_lora: bool = field(default=False, metadata=_setting(
+        "serve PEFT LoRA adapters on the base model", group="LoRA adapters"))
+    max_loras: int = field(default=4, metadata=_setting(
+        "adapters resident in the KV memory pool at once", group="LoRA adapters"))
+    max_lora_rank: int = field(default=64, metadata=_setting(
+        "largest adapter rank accepted", group="LoRA adapters"))
+    max_cpu_loras: int | None = field(default=None, metadata=_setting(
+        "adapters kept in the host cache (default max(max_loras, 16))", group="LoRA adapters"))
+    lora_dtype: str = field(default="auto", metadata=_setting(
+        "adapters' dtype in the KV pool (auto: the model's; bfloat16 halves their memory)",
+        group="LoRA adapters", choices=("auto", "float32", "bfloat16")))
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, model_help: str | None = None) -> None:
+        """Adds the MODEL positional (and --model) plus one flag per CLI setting, in groups."""
+        model_help = model_help or fields(cls)[0].metadata["help"]
+        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=model_help)
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        groups["engine"] = parser.add_argument_group("engine")
+        groups["engine"].add_argument("--model", dest="model", default=None,
+                                      help="the model, as an option (same as MODEL)")
+        for f in fields(cls):
+            meta = f.metadata
+            if not meta.get("cli"):
+                continue
+            group = groups.get(meta["group"]) or groups.setdefault(
+                meta["group"], parser.add_argument_group(meta["group"]))
+            names = [meta["flag"] or "--" + f.name.replace("_", "-"), *meta["aliases"]]
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
+            if f.type in ("bool", bool):
+                kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+            else:
+                kwargs["type"] = meta["parse"] or _parser_for(f.type)
+                if meta["choices"]:
+                    kwargs["choices"] = meta["choices"]
+                if meta["metavar"]:
+                    kwargs["metavar"] = meta["metavar"]
+            group.add_argument(*names, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The settings parsed by `add_cli_args` (MODEL and --model must agree if both are given)."""
+        model = getattr(args, "model", None)
+        tag = getattr(args, "model_tag", None)
+        if model is not None and tag is not None and model != tag:
+            raise ValueError(f"the model is given twice: {tag!r} and --model {model!r}")
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        values["model"] = model if model is not None else tag
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        return EngineArgs(**{**asdict(self), **changes})
+
+    def create_engine_config(self) -> EngineConfig:
+        """The frozen config; each component validates its own fields (ValueError names one)."""
+        from pagedserve.config import (
+            CacheConfig,
+            EngineConfig,
+            LoRAConfig,
+            ModelConfig,
+            SchedulerConfig,
+        )
+
+        if self.model is None:
+            raise ValueError("model: no model given")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        return EngineConfig(
+            model=ModelConfig(
+                model=str(self.model),
+                tokenizer=str(self.tokenizer) if self.tokenizer is not None else None,
+                skip_tokenizer_init=self.skip_tokenizer_init,
+                dtype=self.dtype,
+                seed=self.seed,
+                max_model_len=self.max_model_len,
+                quantization=self.quantization,
+                quantization_group_size=self.quantization_group_size,
+                quantize_lm_head=self.quantize_lm_head,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                enable_prefix_caching=self.enable_prefix_caching,
+                swap_space_bytes=int(self.swap_space * 2**30),
+                kv_allocation=self.kv_allocation,
+                kv_cache_dtype=self.kv_cache_dtype,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                preemption_mode=self.preemption_mode,
+                batching=self.batching,
+                batch_window_s=self.batch_window_s,
+            ),
+            device=self.device,
+            lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
+            if self.enable_lora else None,
+        )
+
+
+def _parser_for(annotation: str) -> Callable[[str], Any]:
+    """argparse type of a field from its (string) annotation: int, float or str."""
+    base = annotation.replace(" | None", "")
+    return {"int": int, "float": float}.get(base, str)
+
+
+def engine_setting_names() -> list[str]:
+    """Every setting's name, in definition order (the keywords `LLM(...)` accepts)."""
+    return [f.name for f in fields(EngineArgs)]
+
+
+def cli_flag_names() -> dict[str, list[str]]:
+    """setting -> its flags, for the settings that have flags (docs and tests)."""
+    return {
+        f.name: [f.metadata["flag"] or "--" + f.name.replace("_", "-"), *f.metadata["aliases"]]
+        for f in fields(EngineArgs) if f.metadata.get("cli")
+    }
+

@@ -1,0 +1,61 @@
+"""EngineArgs: one definition per setting drives the CLI flags, LLM(**kwargs) and the config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine_args import EngineArgs, cli_flag_names, parse_gib
+from pagedserve.entrypoints.cli import build_parser
+
+
+def test_every_cli_setting_round_trips_through_its_flag() -> None:
+    """Each flag lands in its own field: set all of them to non-defaults and read them back."""
+    argv = ["serve", "--model", "m", "--tokenizer", "t", "--dtype", "bfloat16", "--seed", "7",
+            "--max-model-len", "99", "--device", "cpu", "--quantization", "int4",
+            "--quantization-group-size", "32", "--quantize-lm-head", "--block-size", "32",
+            "--kv-cache-memory-bytes", "3MiB", "--num-gpu-blocks-override", "5",
+            "--no-enable-prefix-caching", "--swap-space", "2", "--kv-cache-dtype", "int8",
+            "--max-num-seqs", "3", "--max-num-batched-tokens", "111", "--no-enable-chunked-prefill",
+            "--preemption-mode", "swap", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+            "--max-cpu-loras", "9", "--lora-dtype", "bfloat16", "--skip-tokenizer-init"]
+    args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
+    defaults = EngineArgs()
+    for name in cli_flag_names():
+        assert getattr(args, name) != getattr(defaults, name), f"flag of {name} did not reach its field"
+    assert args.kv_cache_memory_bytes == 3 << 20 and args.swap_space == 2.0
+    config = args.create_engine_config()
+    assert isinstance(config, EngineConfig)
+    assert config.cache.swap_space_bytes == 2 << 30 and config.cache.block_size == 32
+    assert config.lora is not None and config.lora.max_cpu_loras == 9
+
+
+def test_positional_and_option_model() -> None:
+    parse = build_parser().parse_args
+    assert EngineArgs.from_cli_args(parse(["serve", "a"])).model == "a"
+    assert EngineArgs.from_cli_args(parse(["serve", "--model", "a"])).model == "a"
+    with pytest.raises(ValueError, match="twice"):
+        EngineArgs.from_cli_args(parse(["serve", "a", "--model", "b"]))
+
+
+def test_llm_kwargs_are_the_fields() -> None:
+    with pytest.raises(TypeError, match="no_such_setting"):
+        EngineArgs(model="m", no_such_setting=1)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="block_size"):
+        EngineArgs(model="m", block_size=3).create_engine_config()
+    assert [f.name for f in fields(EngineArgs)][0] == "model"
+
+
+@pytest.mark.parametrize("text, gib", [("4", 4.0), ("0.5", 0.5), ("512MiB", 0.5), ("1GiB", 1.0)])
+def test_swap_space_is_gib(text: str, gib: float) -> None:
+    assert parse_gib(text) == gib
+
+
+def test_engine_args_do_not_import_torch() -> None:
+    probe = "import sys, pagedserve.engine_args; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
