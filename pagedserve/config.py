@@ -63,6 +63,8 @@ class CacheConfig:
     block_size: int = 16
     # None: a share of free memory (see worker/kv_cache.py).
     kv_cache_memory_bytes: int | None = None
+    # vLLM's gpu_memory_utilization: share of memory for weights + KV (None: the default budget).
+    memory_utilization: float | None = None
     # Exact number of KV blocks, overriding the memory budget (tests, benchmarks).
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True

@@ -17,6 +17,7 @@ No torch here: `pagedserve --help` builds its parser from this module without pa
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 _BYTE_UNITS = {
     "": 1, "b": 1,
@@ -58,6 +61,23 @@ def parse_gib(text: str) -> float:
     return parse_bytes(text) / 2**30
 
 
+def parse_model_len(text: str) -> int | None:
+    """vLLM's --max-model-len: '2048', '16k' (x1000), '16K' (x1024), '1m', '1M', or 'auto' / '-1'
+    (the model's maximum, returned as None)."""
+    value = text.strip()
+    if value.lower() == "auto" or value == "-1":
+        return None
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kKmMgG]?)", value)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a length: {text!r} (examples: 4096, 16k, 16K, 1M, auto)")
+    unit = match.group(2)
+    scale = {"": 1, "k": 10**3, "K": 2**10, "m": 10**6, "M": 2**20, "g": 10**9, "G": 2**30}[unit]
+    tokens = int(float(match.group(1)) * scale)
+    if tokens < 1:
+        raise argparse.ArgumentTypeError(f"max-model-len must be >= 1, got {text!r}")
+    return tokens
+
+
 def _setting(
     help: str,
     *,
@@ -68,11 +88,20 @@ def _setting(
     choices: tuple[str, ...] | None = None,
     metavar: str | None = None,
     cli: bool = True,
+    ignored: str | None = None,
+    vllm: str = "same",
 ) -> dict[str, Any]:
-    """Field metadata: how the setting appears on the command line (`cli=False`: API only)."""
+    """Field metadata: how the setting appears on the command line (`cli=False`: API only).
+
+    `ignored`: why the setting has no effect here (vLLM's GPU-only knobs); it is accepted, so a
+    vLLM command line runs unchanged, and a non-default value is logged once.
+    """
+    if ignored:
+        help = f"{help} [accepted for vLLM compatibility; no effect here: {ignored}]"
     return {
         "help": help, "group": group, "flag": flag, "aliases": aliases, "parse": parse,
-        "choices": choices, "metavar": metavar, "cli": cli,
+        "choices": choices, "metavar": metavar, "cli": cli, "ignored": ignored,
+        "vllm": f"accepted, no effect: {ignored}" if ignored else vllm,
     }
 
 
@@ -89,21 +118,32 @@ class EngineArgs:
         "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16"))
     seed: int = field(default=0, metadata=_setting("seed of the engine's random generator"))
     max_model_len: int | None = field(default=None, metadata=_setting(
-        "longest prompt + output in tokens (default: the model's maximum)"))
+        "longest prompt + output in tokens: 4096, 16k (x1000), 16K (x1024), 1M, or auto "
+        "(the default: the model's maximum)", parse=parse_model_len, metavar="LEN",
+        vllm="same; `auto` is the model's maximum (vLLM may also shrink it to fit memory)"))
     device: str = field(default="auto", metadata=_setting("auto, cpu or cuda"))
     quantization: str | None = field(default=None, metadata=_setting(
         "weight-only quantization of every linear layer at load time "
-        "(int8: per output channel; int4: group-wise)", choices=("int8", "int4")))
+        "(int8: per output channel; int4: group-wise)", choices=("int8", "int4"),
+        vllm="differs: vLLM names checkpoint formats (awq, gptq, fp8, ...); here int8 / int4 "
+             "quantize a full-precision checkpoint at load"))
     quantization_group_size: int = field(default=128, metadata=_setting(
-        "int4 group size along the input dim: 32, 64, 128 or 256"))
+        "int4 group size along the input dim: 32, 64, 128 or 256", vllm="pagedserve only"))
     quantize_lm_head: bool = field(default=False, metadata=_setting(
-        "also quantize the LM head (embeddings stay full precision)"))
+        "also quantize the LM head (embeddings stay full precision)", vllm="pagedserve only"))
 
     block_size: int = field(default=16, metadata=_setting("tokens per KV cache block"))
     kv_cache_memory_bytes: int | None = field(default=None, metadata=_setting(
         "memory for the KV cache, e.g. 512MiB or 2GiB (default: a share of free memory)",
         flag="--kv-cache-memory", aliases=("--kv-cache-memory-bytes",), parse=parse_bytes,
-        metavar="BYTES"))
+        metavar="BYTES", vllm="same; units accepted (512MiB); also --kv-cache-memory"))
+    gpu_memory_utilization: float | None = field(default=None, metadata=_setting(
+        "share of memory for the weights + KV cache, in (0, 1]. On CPU the share is of the memory "
+        "available at start-up (weights included); on CUDA of the device's free memory. Ignored "
+        "when --kv-cache-memory-bytes or --num-gpu-blocks-override is given",
+        vllm="same on CUDA; on CPU the share of host memory available at start-up "
+             "(vLLM's CPU backend reads VLLM_CPU_KVCACHE_SPACE instead); default: 25% of "
+             "available memory, at most 4 GiB, for the KV cache"))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_setting(
         "exact number of KV blocks, overriding the memory budget"))
     enable_prefix_caching: bool = field(default=True, metadata=_setting(
@@ -116,7 +156,8 @@ class EngineArgs:
         "~4x of fp32)", choices=("auto", "int8")))
     # Benchmark baselines (core/contiguous.py, core/batching.py): API only, not product flags.
     kv_allocation: str = field(default="paged", metadata=_setting(
-        "paged, or a contiguous baseline: contiguous-max, contiguous-pow2, contiguous-oracle", cli=False))
+        "paged, or a contiguous baseline: contiguous-max, contiguous-pow2, contiguous-oracle", cli=False,
+        vllm="pagedserve only (benchmark baselines)"))
 
     max_num_seqs: int = field(default=256, metadata=_setting("most requests in one step"))
     max_num_batched_tokens: int = field(default=2048, metadata=_setting("token budget of one step"))
@@ -124,11 +165,12 @@ class EngineArgs:
         "split long prompts over several steps"))
     preemption_mode: str = field(default="auto", metadata=_setting(
         "how to preempt under memory pressure (auto: swap when copying is cheaper)",
-        choices=("recompute", "swap", "auto")))
+        choices=("recompute", "swap", "auto"), vllm="pagedserve only (vLLM v1 always recomputes)"))
     batching: str = field(default="continuous", metadata=_setting(
-        "continuous, or a baseline: static, dynamic", cli=False))
+        "continuous, or a baseline: static, dynamic", cli=False, vllm="pagedserve only (benchmark baselines)"))
     batch_window_s: float = field(default=0.05, metadata=_setting(
-        "dynamic batching's longest wait for a partial batch", cli=False))
+        "dynamic batching's longest wait for a partial batch", cli=False,
+        vllm="pagedserve only (benchmark baselines)"))
 
     enable_lora: bool = field(default=False, metadata=_setting(
         "serve PEFT LoRA adapters on the base model", group="LoRA adapters"))
@@ -141,6 +183,24 @@ class EngineArgs:
     lora_dtype: str = field(default="auto", metadata=_setting(
         "adapters' dtype in the KV pool (auto: the model's; bfloat16 halves their memory)",
         group="LoRA adapters", choices=("auto", "float32", "bfloat16")))
+
+    # vLLM settings with no effect in this engine: accepted so vLLM command lines and scripts
+    # run unchanged (see docs/vllm_compatibility.md).
+    trust_remote_code: bool = field(default=False, metadata=_setting(
+        "allow a checkpoint's own Python code", group="vLLM compatibility",
+        ignored="only the built-in architectures load; no checkpoint code is ever run"))
+    enforce_eager: bool = field(default=False, metadata=_setting(
+        "never capture CUDA graphs", group="vLLM compatibility",
+        ignored="this engine captures no CUDA graphs; it always runs eagerly"))
+    load_format: str = field(default="auto", metadata=_setting(
+        "weight file format", group="vLLM compatibility",
+        ignored="the format is read from the files (safetensors, .bin, GGUF)"))
+    tokenizer_mode: str = field(default="auto", metadata=_setting(
+        "which tokenizer implementation", group="vLLM compatibility",
+        ignored="the Hugging Face fast tokenizer is always used"))
+    disable_log_stats: bool = field(default=False, metadata=_setting(
+        "no periodic stats log lines", group="vLLM compatibility",
+        ignored="the engine logs no periodic stats; /metrics has them"))
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, model_help: str | None = None) -> None:
@@ -197,6 +257,9 @@ class EngineArgs:
             raise ValueError("model: no model given")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self._log_ignored()
         return EngineConfig(
             model=ModelConfig(
                 model=str(self.model),
@@ -212,6 +275,7 @@ class EngineArgs:
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
                 swap_space_bytes=int(self.swap_space * 2**30),
@@ -232,10 +296,33 @@ class EngineArgs:
         )
 
 
+    def _log_ignored(self) -> None:
+        for f in fields(self):
+            reason = f.metadata.get("ignored")
+            if reason and getattr(self, f.name) != f.default and f.name not in _LOGGED_IGNORED:
+                _LOGGED_IGNORED.add(f.name)
+                logger.info("%s=%r is accepted and ignored: %s", f.name, getattr(self, f.name), reason)
+
+
+_LOGGED_IGNORED: set[str] = set()  # each ignored setting is logged once per process
+
+
 def _parser_for(annotation: str) -> Callable[[str], Any]:
     """argparse type of a field from its (string) annotation: int, float or str."""
     base = annotation.replace(" | None", "")
     return {"int": int, "float": float}.get(base, str)
+
+
+def compatibility_table() -> str:
+    """The engine-settings table of docs/vllm_compatibility.md (a test keeps the doc equal to it)."""
+    flags = cli_flag_names()
+    lines = ["| setting (`LLM(...)`) | flags | compared with vLLM |", "|---|---|---|"]
+    for f in fields(EngineArgs):
+        flag = ", ".join(f"`{name}`" for name in flags.get(f.name, [])) or "(API only)"
+        if f.name == "model":
+            flag = "`MODEL`, `--model`"
+        lines.append(f"| `{f.name}` | {flag} | {f.metadata['vllm']} |")
+    return "\n".join(lines) + "\n"
 
 
 def engine_setting_names() -> list[str]:
@@ -250,3 +337,7 @@ def cli_flag_names() -> dict[str, list[str]]:
         for f in fields(EngineArgs) if f.metadata.get("cli")
     }
 
+
+
+if __name__ == "__main__":
+    print(compatibility_table(), end="")

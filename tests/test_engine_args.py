@@ -22,7 +22,9 @@ def test_every_cli_setting_round_trips_through_its_flag() -> None:
             "--no-enable-prefix-caching", "--swap-space", "2", "--kv-cache-dtype", "int8",
             "--max-num-seqs", "3", "--max-num-batched-tokens", "111", "--no-enable-chunked-prefill",
             "--preemption-mode", "swap", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-            "--max-cpu-loras", "9", "--lora-dtype", "bfloat16", "--skip-tokenizer-init"]
+            "--max-cpu-loras", "9", "--lora-dtype", "bfloat16", "--skip-tokenizer-init",
+            "--gpu-memory-utilization", "0.5", "--trust-remote-code", "--enforce-eager",
+            "--load-format", "gguf", "--tokenizer-mode", "slow", "--disable-log-stats"]
     args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
     defaults = EngineArgs()
     for name in cli_flag_names():
@@ -59,3 +61,52 @@ def test_engine_args_do_not_import_torch() -> None:
     probe = "import sys, pagedserve.engine_args; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("text, tokens", [("2048", 2048), ("16k", 16000), ("16K", 16384), ("1M", 1 << 20),
+                                          ("auto", None), ("-1", None)])
+def test_max_model_len_units(text: str, tokens: int | None) -> None:
+    args = EngineArgs.from_cli_args(build_parser().parse_args(["serve", "m", "--max-model-len", text]))
+    assert args.max_model_len == tokens
+
+
+def test_vllm_only_flags_are_accepted_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    argv = ["serve", "m", "--enforce-eager", "--trust-remote-code", "--load-format", "safetensors",
+            "--tokenizer-mode", "slow", "--disable-log-stats", "--gpu-memory-utilization", "0.5"]
+    args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
+    with caplog.at_level("INFO", logger="pagedserve.engine_args"):
+        args.create_engine_config()
+        args.create_engine_config()
+    for name in ("enforce_eager", "trust_remote_code", "load_format", "tokenizer_mode", "disable_log_stats"):
+        assert sum(name in r.getMessage() for r in caplog.records) <= 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--no-such-flag"])
+
+
+def test_gpu_memory_utilization_sizes_the_kv_cache() -> None:
+    from pagedserve import LLM
+    from pagedserve.demo_models import get_model_path
+    from pagedserve.worker.kv_cache import kv_cache_bytes_for_utilization
+
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineArgs(model="m", gpu_memory_utilization=1.5).create_engine_config()
+    import torch
+
+    assert kv_cache_bytes_for_utilization(torch.device("cpu"), 0.01, 0) > 0
+    with pytest.raises(ValueError, match="no memory for the KV cache"):
+        kv_cache_bytes_for_utilization(torch.device("cpu"), 1e-6, 1 << 30)
+    llm = LLM(str(get_model_path("llama-gqa")), max_model_len=64, gpu_memory_utilization=0.001)
+    engine = llm.llm_engine
+    spec = engine.runner.kv_cache_spec()
+    assert engine.num_blocks * spec.bytes_per_block <= 0.001 * 24 * 2**30 + spec.bytes_per_block
+
+
+def test_compatibility_doc_matches_the_settings() -> None:
+    """docs/vllm_compatibility.md carries the table generated from EngineArgs, unchanged."""
+    from pathlib import Path
+
+    from pagedserve.engine_args import compatibility_table
+
+    doc = (Path(__file__).parents[1] / "docs" / "vllm_compatibility.md").read_text()
+    block = doc.split("<!-- generated: engine settings -->\n", 1)[1].split("<!-- end generated -->", 1)[0]
+    assert block == compatibility_table(), "regenerate with: python -m pagedserve.engine_args"

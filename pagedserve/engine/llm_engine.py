@@ -23,7 +23,11 @@ from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.kv_cache import default_kv_cache_bytes, num_blocks_for
+from pagedserve.worker.kv_cache import (
+    default_kv_cache_bytes,
+    kv_cache_bytes_for_utilization,
+    num_blocks_for,
+)
 from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -83,6 +87,15 @@ class LLMEngine:
         self._steps_total = 0
         self._last_step_tokens = 0
 
+    def _default_kv_cache_bytes(self) -> int:
+        utilization = self.config.cache.memory_utilization
+        if utilization is None:
+            return default_kv_cache_bytes(self.device)
+        model = self.runner.model
+        tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}  # tied once
+        weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return kv_cache_bytes_for_utilization(self.device, utilization, weight_bytes)
+
     def _size_kv_cache(self) -> int:
         spec = self.runner.kv_cache_spec()
         cache = self.config.cache
@@ -90,7 +103,7 @@ class LLMEngine:
             num_blocks = cache.num_gpu_blocks_override
             memory = num_blocks * spec.bytes_per_block
         else:
-            memory = cache.kv_cache_memory_bytes or default_kv_cache_bytes(self.device)
+            memory = cache.kv_cache_memory_bytes or self._default_kv_cache_bytes()
             num_blocks = num_blocks_for(spec, memory)
         capacity = num_blocks * spec.block_size
         if capacity < self.max_model_len:

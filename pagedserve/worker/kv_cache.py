@@ -53,6 +53,27 @@ class KVCacheSpec:
         return self.bytes_per_token * self.block_size
 
 
+def kv_cache_bytes_for_utilization(device: torch.device, utilization: float, weight_bytes: int) -> int:
+    """vLLM's gpu_memory_utilization: the KV cache gets `utilization` of the memory there was
+    before the weights were loaded (what is available now plus the weights), less the weights.
+
+    On CPU "memory" is the host's available memory, as vLLM's CPU backend sizes its KV space
+    from host memory (VLLM_CPU_KVCACHE_SPACE).
+    """
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = psutil.virtual_memory().available
+    budget = int(utilization * (free + weight_bytes)) - weight_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} leaves no memory for the KV cache: "
+            f"{utilization} x {(free + weight_bytes) / 2**30:.1f} GiB is less than the weights "
+            f"({weight_bytes / 2**30:.2f} GiB)"
+        )
+    return budget
+
+
 def default_kv_cache_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
