@@ -6,30 +6,33 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM", "SamplingParams", "BeamSearchParams", "LoRARequest", "RequestOutput", "CompletionOutput",
-    "__version__",
+    "EngineArgs", "AsyncEngineArgs", "LLMEngine", "AsyncLLMEngine", "TextPrompt", "TokensPrompt",
+    "RequestOutputKind", "__version__",
 ]
+
+# name -> (module, attribute): everything vLLM exports at top level that pagedserve has.
+_LAZY = {
+    "LLM": ("pagedserve.entrypoints.llm", "LLM"),
+    "SamplingParams": ("pagedserve.sampling_params", "SamplingParams"),
+    "RequestOutputKind": ("pagedserve.sampling_params", "RequestOutputKind"),
+    "LoRARequest": ("pagedserve.lora.request", "LoRARequest"),
+    "BeamSearchParams": ("pagedserve.beam_search", "BeamSearchParams"),
+    "RequestOutput": ("pagedserve.outputs", "RequestOutput"),
+    "CompletionOutput": ("pagedserve.outputs", "CompletionOutput"),
+    "EngineArgs": ("pagedserve.engine_args", "EngineArgs"),
+    "AsyncEngineArgs": ("pagedserve.engine_args", "AsyncEngineArgs"),
+    "LLMEngine": ("pagedserve.engine.llm_engine", "LLMEngine"),
+    "AsyncLLMEngine": ("pagedserve.engine.async_engine", "AsyncLLMEngine"),
+    "TextPrompt": ("pagedserve.inputs", "TextPrompt"),
+    "TokensPrompt": ("pagedserve.inputs", "TokensPrompt"),
+}
 
 
 def __getattr__(name: str):
     # Lazy so that `import pagedserve` stays cheap (CLI --help, server start-up).
-    if name == "LLM":
-        from pagedserve.entrypoints.llm import LLM
+    if name in _LAZY:
+        import importlib
 
-        return LLM
-    if name == "SamplingParams":
-        from pagedserve.sampling_params import SamplingParams
-
-        return SamplingParams
-    if name == "LoRARequest":
-        from pagedserve.lora.request import LoRARequest
-
-        return LoRARequest
-    if name == "BeamSearchParams":
-        from pagedserve.beam_search import BeamSearchParams
-
-        return BeamSearchParams
-    if name in ("RequestOutput", "CompletionOutput"):
-        from pagedserve import outputs
-
-        return getattr(outputs, name)
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

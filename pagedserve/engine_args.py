@@ -307,6 +307,11 @@ class EngineArgs:
 _LOGGED_IGNORED: set[str] = set()  # each ignored setting is logged once per process
 
 
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's name for the settings of an engine served asynchronously: the same settings."""
+
+
 def _parser_for(annotation: str) -> Callable[[str], Any]:
     """argparse type of a field from its (string) annotation: int, float or str."""
     base = annotation.replace(" | None", "")

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedserve.lora.request import LoRARequest
 
 
 @dataclass(slots=True)
@@ -51,3 +55,4 @@ class RequestOutput:
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    lora_request: LoRARequest | None = None

@@ -64,6 +64,8 @@ class Request:
     lora_id: int = 0
     # Requests share cached KV blocks only with requests of the same salt.
     cache_salt: str | None = None
+    # SamplingParams.bad_words as token sequences (each word with and without a leading space).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Prompt tokens whose KV came from the prefix cache at (last) admission.
     num_cached_tokens: int = 0
     # For one sample of an n/best_of request: its group's id and its index in the group.

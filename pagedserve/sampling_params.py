@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import copy
+import enum
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from pagedserve.beam_search import BeamSearchParams
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput carries (vLLM's enum); `SamplingParams.output_kind` takes it or
+    its string value."""
+
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # only what is new since the last output (streaming)
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+_OUTPUT_KINDS = {"cumulative": "cumulative", "delta": "delta", "final_only": "final_only",
+                 RequestOutputKind.CUMULATIVE: "cumulative", RequestOutputKind.DELTA: "delta",
+                 RequestOutputKind.FINAL_ONLY: "final_only"}
 
 
 @dataclass
@@ -29,13 +48,24 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
-    logprobs: int | None = None
+    logprobs: int | None = None  # -1: the whole vocabulary
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
-    output_kind: str = "cumulative"  # or "delta" (streaming server)
+    output_kind: str | RequestOutputKind = "cumulative"  # "delta" (streaming), "final_only"
+    # Only these tokens may be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
+    # Words never generated: a word's last token is banned wherever the output ends with the
+    # word's other tokens (vLLM's semantics, with and without a leading space).
+    bad_words: list[str] | None = None
+    # False: outputs carry token ids only, no text (stop strings need text, so they are refused).
+    detokenize: bool = True
+    # Keep only the last k prompt tokens (-1: as many as fit before max_model_len).
+    truncate_prompt_tokens: int | None = None
+    # Free-form data for extensions, carried with the request and never read by the engine.
+    extra_args: dict[str, Any] | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -46,7 +76,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.output_kind not in _OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be a RequestOutputKind or 'cumulative', 'delta', "
+                             f"'final_only'; got {self.output_kind!r}.")
+        self.output_kind = _OUTPUT_KINDS[self.output_kind]
         self._validate()
+        self._validate_extras()
 
     def _validate(self) -> None:
         def bad(name: str, allowed: str, value: object) -> ValueError:
@@ -82,8 +117,8 @@ class SamplingParams:
             raise bad("min_tokens", "an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "an integer in [0, 20]", self.logprobs)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not -1 <= self.logprobs <= 20):
+            raise bad("logprobs", "an integer in [0, 20], or -1 for the whole vocabulary", self.logprobs)
         if self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported yet.")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -96,8 +131,40 @@ class SamplingParams:
             for token_id, bias in self.logit_bias.items():
                 if not isinstance(token_id, int) or not -100.0 <= float(bias) <= 100.0:
                     raise bad("logit_bias", "a map of token id to a bias in [-100, 100]", self.logit_bias)
-        if self.output_kind not in ("cumulative", "delta"):
-            raise bad("output_kind", "'cumulative' or 'delta'", self.output_kind)
+
+    def _validate_extras(self) -> None:
+        """The fields vLLM added beyond OpenAI's (allowed_token_ids, bad_words, ...)."""
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}.")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
+        ):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.")
+        if not self.detokenize and self._stop_list:
+            raise ValueError("stop strings need detokenize=True (the text is what they match).")
+        if self.truncate_prompt_tokens is not None and (
+            isinstance(self.truncate_prompt_tokens, bool) or not isinstance(self.truncate_prompt_tokens, int)
+            or (self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)
+        ):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {self.truncate_prompt_tokens!r}.")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}.")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's `clone`): lists and dicts are not shared with the original."""
+        return copy.deepcopy(self)
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """vLLM's constructor that treats None as "the default" for every field."""
+        names = {f.name for f in fields(cls) if f.init}
+        unknown = set(kwargs) - names
+        if unknown:
+            raise TypeError(f"SamplingParams.from_optional got unknown fields: {', '.join(sorted(unknown))}")
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
     @property
     def num_samples(self) -> int:
@@ -134,9 +201,15 @@ class SamplingParams:
 
     def validate_vocab(self, vocab_size: int) -> None:
         """Checks the fields that refer to token ids against the model's vocabulary."""
+        for token_id in self.allowed_token_ids or []:
+            if token_id >= vocab_size:
+                raise ValueError(f"allowed_token_ids contains {token_id}, outside the vocabulary (size {vocab_size}).")
         for token_id in self.stop_token_ids or []:
             if token_id >= vocab_size:
                 raise ValueError(f"stop_token_ids contains {token_id}, outside the vocabulary (size {vocab_size}).")
         for token_id in (self.logit_bias or {}):
             if not 0 <= token_id < vocab_size:
                 raise ValueError(f"logit_bias contains token id {token_id}, outside the vocabulary (size {vocab_size}).")
+
+
+__all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams"]

@@ -166,6 +166,8 @@ class LLMEngine:
         params = params or SamplingParams()
         lora_id = self._register_lora(lora_request)
         prompt_text, token_ids = self._tokenize(prompt)
+        token_ids = self._truncate_prompt(token_ids, params.truncate_prompt_tokens)
+        bad_words = self._bad_words_token_ids(params.bad_words)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
@@ -184,7 +186,7 @@ class LLMEngine:
                 request_id=rid, prompt_token_ids=token_ids, sampling_params=sample_params,
                 eos_token_id=self.eos_token_id, prompt=prompt_text, cache_salt=cache_salt,
                 max_output_tokens=max_output, arrival_time=arrival, group_id=group, sample_index=index,
-                lora_id=lora_id,
+                lora_id=lora_id, bad_words_token_ids=bad_words,
             )
 
         if params.num_samples == 1:
@@ -197,8 +199,29 @@ class LLMEngine:
             self._groups[request_id] = SampleGroup(request_id, params, [r.request_id for r in samples])
         self.scheduler.add_request(samples[0], samples[1:])
         for sample in samples:
-            self.output_processor.add_request(sample)
+            self.output_processor.add_request(sample, lora_request)
         return request_id
+
+    def _truncate_prompt(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens: the last `keep` tokens (-1: all that leave room for one output)."""
+        if keep is None:
+            return token_ids
+        keep = self.max_model_len - 1 if keep == -1 else keep
+        return token_ids[-keep:]
+
+    def _bad_words_token_ids(self, words: list[str] | None) -> list[list[int]]:
+        """Each bad word's token ids, as written and with a leading space (vLLM's semantics)."""
+        if not words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer (skip_tokenizer_init=True was given)")
+        sequences: list[list[int]] = []
+        for word in words:
+            for variant in (word.strip(), " " + word.strip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -235,8 +258,15 @@ class LLMEngine:
         self.lora_manager.register(lora_request)
         return lora_request.lora_int_id
 
-    def add_beam_search(self, request_id: str | None, prompt: PromptInput, params: BeamSearchParams) -> str:
+    def add_beam_search(
+        self,
+        request_id: str | None,
+        prompt: PromptInput,
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+    ) -> str:
         """Queues a beam search; its result appears in `beam_search.results[request_id]`."""
+        lora_id = self._register_lora(lora_request)
         prompt_text, token_ids = self._tokenize(prompt)
         max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
         # Each beam reports its top 2 * width raw logprobs; the group picks its tokens.
@@ -248,7 +278,7 @@ class LLMEngine:
         first = Request(
             request_id=f"{request_id}#beam0", prompt_token_ids=token_ids, sampling_params=beam_params,
             eos_token_id=self.eos_token_id, prompt=prompt_text, max_output_tokens=max_tokens + 1,
-            group_id=request_id, is_beam=True,
+            group_id=request_id, is_beam=True, lora_id=lora_id,
         )
         self.beam_search.add(first, params if max_tokens == params.max_tokens else _with_max_tokens(params, max_tokens))
         return request_id
@@ -302,7 +332,7 @@ class LLMEngine:
                 self.output_processor.finish(request.request_id, now)
             if request.group_id is not None:
                 output = self._group_output(request, output)
-            if output is not None:
+            if output is not None and (output.finished or request.sampling_params.output_kind != "final_only"):
                 outputs.append(output)
         for request in failed:
             # Failed in the scheduler (its adapter did not load): reported, nothing else touched.
@@ -329,6 +359,19 @@ class LLMEngine:
             request = item.request
             if item.sample and request.num_output_tokens == 1:
                 self._prompt_tokens_total += request.num_prompt_tokens
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Uses `tokenizer` for new requests' prompts and outputs (vLLM's LLM.set_tokenizer)."""
+        self.tokenizer = tokenizer
+        self.output_processor.set_tokenizer(tokenizer)
+        self.beam_search.tokenizer = tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; refused (False) while requests run, as in vLLM."""
+        if self.has_unfinished_requests():
+            return False
+        self.kv_manager.pool.reset_prefix_cache()
+        return True
 
     def get_stats(self) -> EngineStats:
         return EngineStats(

@@ -21,23 +21,29 @@ class _RequestState:
     logprobs: list[dict[int, Logprob]] | None = None
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
+    lora_request: Any = None  # the request's LoRARequest, echoed in its outputs
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any | None) -> None:
+        self._states: dict[str, _RequestState] = {}
+        self.set_tokenizer(tokenizer)
+
+    def set_tokenizer(self, tokenizer: Any | None) -> None:
+        """Text for requests added from now on; those running keep their detokenizers."""
         self.tokenizer = tokenizer
         self._token_text = TokenTextCache(tokenizer) if tokenizer is not None else None
-        self._states: dict[str, _RequestState] = {}
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, lora_request: Any = None) -> None:
         params = request.sampling_params
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
         self._states[request.request_id] = _RequestState(
             detokenizer=detok,
             logprobs=[] if params.logprobs is not None else None,
             metrics=RequestMetrics(arrival_time=request.arrival_time),
+            lora_request=lora_request,
         )
 
     def process_token(
@@ -132,6 +138,7 @@ class OutputProcessor:
             finished=finished,
             metrics=state.metrics,
             num_cached_tokens=request.num_cached_tokens,
+            lora_request=state.lora_request,
         )
 
     def finish(self, request_id: str, now: float) -> None:

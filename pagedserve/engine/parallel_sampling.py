@@ -60,4 +60,5 @@ class SampleGroup:
             finished=self.finished,
             metrics=output.metrics,
             num_cached_tokens=output.num_cached_tokens,
+            lora_request=output.lora_request,
         )

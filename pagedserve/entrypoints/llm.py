@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -43,11 +44,38 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Uses another (compatible) tokenizer for prompts and output text from now on."""
+        self.llm_engine.set_tokenizer(tokenizer)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters a request gets when it gives none."""
+        return SamplingParams()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (False, and nothing done, while requests are running)."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges under vLLM's metric names (vLLM's LLM.get_metrics)."""
+        stats = self.llm_engine.get_stats()
+        sched = stats.scheduler
+        return [
+            Metric("vllm:num_requests_running", "gauge", sched.num_running),
+            Metric("vllm:num_requests_waiting", "gauge", sched.num_waiting),
+            Metric("vllm:kv_cache_usage_perc", "gauge", sched.kv_usage),
+            Metric("vllm:num_preemptions", "counter", sched.num_preemptions_total),
+            Metric("vllm:prefix_cache_queries", "counter", sched.prefix_cache_queries),
+            Metric("vllm:prefix_cache_hits", "counter", sched.prefix_cache_hits),
+            Metric("vllm:prompt_tokens", "counter", stats.num_prompt_tokens_total),
+            Metric("vllm:generation_tokens", "counter", stats.num_generation_tokens_total),
+        ]
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; results come back in input order.
@@ -83,7 +111,7 @@ class LLM:
         self,
         messages: ChatMessages | list[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | None = None,
@@ -106,7 +134,11 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
-        self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams, use_tqdm: bool = False
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        use_tqdm: bool | Callable[..., Any] = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt, run inside the engine (beams share KV blocks).
 
@@ -114,14 +146,16 @@ class LLM:
         """
         engine = self.llm_engine
         prompt_list = _as_prompt_list(prompts)
+        if lora_request is not None:
+            self._prepare_loras(lora_request, 1)
         ids: list[str] = []
         try:
             for prompt in prompt_list:
-                ids.append(engine.add_beam_search(None, prompt, params))
+                ids.append(engine.add_beam_search(None, prompt, params, lora_request=lora_request))
         except Exception:
             engine.abort_request(ids)
             raise
-        bar = tqdm(total=len(ids), desc="Beam search", disable=not use_tqdm, dynamic_ncols=True)
+        bar = _progress_bar(use_tqdm, total=len(ids), desc="Beam search")
         try:
             while any(i not in engine.beam_search.results for i in ids):
                 engine.step()
@@ -148,10 +182,10 @@ class LLM:
             raise
         return added
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        bar = _progress_bar(use_tqdm, total=len(request_ids), desc="Processed prompts")
         generated = 0
         try:
             while engine.has_unfinished_requests():
@@ -168,6 +202,22 @@ class LLM:
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric of `LLM.get_metrics()`: its vLLM name, kind ("counter" | "gauge") and value."""
+
+    name: str
+    kind: str
+    value: float
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., Any], **kwargs: Any) -> Any:
+    """vLLM's use_tqdm: True / False, or a tqdm-like class (a callable taking tqdm's arguments)."""
+    if callable(use_tqdm):
+        return use_tqdm(dynamic_ncols=True, **kwargs)
+    return tqdm(disable=not use_tqdm, dynamic_ncols=True, **kwargs)
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

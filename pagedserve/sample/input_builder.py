@@ -37,7 +37,10 @@ def build_sampling_metadata(
         for row, (request, p) in enumerate(zip(requests, params, strict=True)):
             if p.seed is not None and not p.greedy:
                 row_generators[row] = _generator_for(request, generators, device)
-    max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+    # logprobs=-1 asks for the whole vocabulary.
+    max_logprobs = max(
+        (vocab_size if p.logprobs == -1 else p.logprobs for p in params if p.logprobs is not None), default=None
+    )
     return SamplingMetadata(
         num_rows=n,
         all_greedy=all_greedy,
@@ -48,7 +51,7 @@ def build_sampling_metadata(
         min_p=min_p,
         generators=row_generators,
         penalties=_penalties(requests, vocab_size, device),
-        logit_bias=_logit_bias(requests, device),
+        logit_bias=_logit_bias(requests, vocab_size, device),
         max_num_logprobs=max_logprobs,
     )
 
@@ -84,13 +87,26 @@ def _penalties(requests: list[Request], vocab_size: int, device: torch.device) -
 
 
 def _logit_bias(
-    requests: list[Request], device: torch.device
+    requests: list[Request], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Sparse additions to the logits: logit_bias, and -inf for every token a request may not
+    produce now (min_tokens' stop tokens, bad words, tokens outside allowed_token_ids)."""
     rows: list[int] = []
     cols: list[int] = []
     values: list[float] = []
+    banned_rows: list[torch.Tensor] = []  # allowed_token_ids: (row, disallowed ids) as tensors
     for row, request in enumerate(requests):
         p = request.sampling_params
+        if p.allowed_token_ids is not None:
+            disallowed = torch.ones(vocab_size, dtype=torch.bool)
+            disallowed[torch.tensor(p.allowed_token_ids)] = False
+            banned_rows.append(torch.stack([torch.full((int(disallowed.sum()),), row), disallowed.nonzero()[:, 0]]))
+        for word in request.bad_words_token_ids:
+            prefix = word[:-1]
+            if not prefix or request.output_token_ids[-len(prefix):] == prefix:
+                rows.append(row)
+                cols.append(word[-1])
+                values.append(float("-inf"))
         if p.logit_bias:
             for token_id, bias in p.logit_bias.items():
                 rows.append(row)
@@ -105,10 +121,14 @@ def _logit_bias(
                 rows.append(row)
                 cols.append(token_id)
                 values.append(float("-inf"))
-    if not rows:
+    if not rows and not banned_rows:
         return None
-    return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(cols, dtype=torch.int64, device=device),
-        torch.tensor(values, device=device),
-    )
+    row_t = torch.tensor(rows, dtype=torch.int64)
+    col_t = torch.tensor(cols, dtype=torch.int64)
+    value_t = torch.tensor(values, dtype=torch.float32)
+    if banned_rows:
+        banned = torch.cat(banned_rows, dim=1)
+        row_t = torch.cat([row_t, banned[0]])
+        col_t = torch.cat([col_t, banned[1]])
+        value_t = torch.cat([value_t, torch.full((banned.shape[1],), float("-inf"))])
+    return row_t.to(device), col_t.to(device), value_t.to(device)

@@ -244,7 +244,8 @@ class ModelRunner:
             want = request.sampling_params.logprobs
             if lp is None or want is None:
                 return None
-            return lp[0][row][: want + 1], lp[1][row][: want + 1], lp[2][row][: want + 1]
+            end = None if want == -1 else want + 1  # -1: the whole vocabulary
+            return lp[0][row][:end], lp[1][row][:end], lp[2][row][:end]
 
         out = ModelRunnerOutput([], [], [], [])
         row = 0
