@@ -98,10 +98,14 @@ class SchedulerConfig:
     batch_window_s: float = 0.05
     # How to preempt under memory pressure: "recompute", "swap", or "auto" (cost model).
     preemption_mode: str = "auto"
+    # "fcfs", or "priority": lower request priority values are admitted first, preempted last.
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 

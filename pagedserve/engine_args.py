@@ -166,6 +166,9 @@ class EngineArgs:
     preemption_mode: str = field(default="auto", metadata=_setting(
         "how to preempt under memory pressure (auto: swap when copying is cheaper)",
         choices=("recompute", "swap", "auto"), vllm="pagedserve only (vLLM v1 always recomputes)"))
+    scheduling_policy: str = field(default="fcfs", metadata=_setting(
+        "fcfs, or priority: requests with lower `priority` values are admitted first and "
+        "preempted last (first come first served within a priority)", choices=("fcfs", "priority")))
     batching: str = field(default="continuous", metadata=_setting(
         "continuous, or a baseline: static, dynamic", cli=False, vllm="pagedserve only (benchmark baselines)"))
     batch_window_s: float = field(default=0.05, metadata=_setting(
@@ -287,6 +290,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 preemption_mode=self.preemption_mode,
+                scheduling_policy=self.scheduling_policy,
                 batching=self.batching,
                 batch_window_s=self.batch_window_s,
             ),

@@ -64,6 +64,8 @@ class Request:
     lora_id: int = 0
     # Requests share cached KV blocks only with requests of the same salt.
     cache_salt: str | None = None
+    # Lower runs first under the priority scheduling policy (vLLM's semantics); 0 by default.
+    priority: int = 0
     # SamplingParams.bad_words as token sequences (each word with and without a leading space).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Prompt tokens whose KV came from the prefix cache at (last) admission.

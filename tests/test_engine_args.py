@@ -24,7 +24,8 @@ def test_every_cli_setting_round_trips_through_its_flag() -> None:
             "--preemption-mode", "swap", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
             "--max-cpu-loras", "9", "--lora-dtype", "bfloat16", "--skip-tokenizer-init",
             "--gpu-memory-utilization", "0.5", "--trust-remote-code", "--enforce-eager",
-            "--load-format", "gguf", "--tokenizer-mode", "slow", "--disable-log-stats"]
+            "--load-format", "gguf", "--tokenizer-mode", "slow", "--disable-log-stats",
+            "--scheduling-policy", "priority"]
     args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
     defaults = EngineArgs()
     for name in cli_flag_names():

@@ -122,3 +122,49 @@ def test_abort_frees_blocks_at_once_wherever_the_request_is():
     assert not sched.has_unfinished_requests()
     sched.kv.assert_all_free()
     assert sched.schedule().finished_ids == ["run", "wait"]
+
+
+# ---- priority policy (vLLM's --scheduling-policy priority) ---------------------------------------
+
+
+def make_priority_scheduler(num_blocks=64, max_num_seqs=8, budget=32) -> Scheduler:
+    limits = SchedulerLimits(max_num_seqs, budget, True, policy="priority")
+    return Scheduler(limits, KVCacheManager(num_blocks, 4))
+
+
+def prioritized(rid: str, prompt_len: int, priority: int, arrival: float, max_tokens: int = 4) -> Request:
+    request = make_request(rid, prompt_len, max_tokens=max_tokens, arrival=arrival)
+    request.priority = priority
+    return request
+
+
+def test_priority_admits_lower_values_first_fcfs_within_a_priority():
+    sched = make_priority_scheduler(budget=8)
+    for rid, prio, arrival in [("late-low", 5, 0), ("b", 1, 1), ("c", 1, 2), ("urgent", 0, 3)]:
+        sched.add_request(prioritized(rid, 4, prio, arrival))
+    assert [r.request_id for r in sched.waiting] == ["urgent", "b", "c", "late-low"]
+    assert plan(run_step(sched)) == [("urgent", 4), ("b", 4)]
+
+
+def test_fcfs_policy_ignores_priority_order():
+    sched = make_scheduler(budget=8)
+    for rid, prio, arrival in [("first", 5, 0), ("second", 0, 1)]:
+        request = make_request(rid, 4, arrival=arrival)
+        request.priority = prio
+        sched.add_request(request)
+    assert plan(run_step(sched)) == [("first", 4), ("second", 4)]
+
+
+def test_priority_preempts_the_lowest_priority_first():
+    # 6 blocks of 4 tokens: three requests of 8 prompt tokens fill them; decoding needs more.
+    sched = make_priority_scheduler(num_blocks=6, budget=64)
+    sched.add_request(prioritized("important-late", 8, 0, arrival=2, max_tokens=8))
+    sched.add_request(prioritized("unimportant-early", 8, 9, arrival=0, max_tokens=8))
+    sched.add_request(prioritized("middle", 8, 4, arrival=1, max_tokens=8))
+    run_step(sched)
+    preempted: list[str] = []
+    while sched.running and not preempted:
+        preempted = run_step(sched).preempted_ids
+    assert preempted[0] == "unimportant-early"
+    assert "important-late" in [r.request_id for r in sched.running]
+    assert sched.waiting[0].request_id == "unimportant-early"

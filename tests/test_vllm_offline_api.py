@@ -158,3 +158,15 @@ def test_llm_helpers(llm) -> None:
     with pytest.raises(ValueError, match="lora_path"):
         LoRARequest("a", 1)
     llm.set_tokenizer(llm.get_tokenizer())
+
+
+def test_generate_priority_needs_the_priority_policy(llm, model_path) -> None:
+    prompt = {"prompt_token_ids": [11, 12, 13]}
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False, priority=[1])
+    ranked = LLM(model_path(MODEL), max_model_len=64, kv_cache_memory_bytes=4 << 20, scheduling_policy="priority",
+                 max_num_seqs=1)
+    outs = ranked.generate([prompt, {"prompt_token_ids": [14, 15]}], SamplingParams(max_tokens=2, ignore_eos=True),
+                           use_tqdm=False, priority=[3, 0])
+    # max_num_seqs=1: the priority-0 request runs (and finishes) first.
+    assert outs[1].metrics.finished_time < outs[0].metrics.first_scheduled_time

@@ -31,7 +31,9 @@ def build_kv_manager(
 def build_scheduler(
     config: SchedulerConfig, kv: KVCacheManager, preemption: PreemptionPolicy | None = None
 ) -> Scheduler:
-    limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+    limits = SchedulerLimits(
+        config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, config.scheduling_policy
+    )
     if config.batching == "continuous":
         return Scheduler(limits, kv, preemption)
     if config.batching in BATCHING_POLICIES:

@@ -21,6 +21,10 @@ siblings, whose shared state recompute would lose), falling back to recompute wh
 swap pool is full. No request is admitted in a step that preempted, so preempted requests
 are never overtaken.
 
+With `policy="priority"` (vLLM's --scheduling-policy priority) every queue is ordered by
+(priority, arrival) instead of arrival: lower values are admitted first and preempted last,
+first come first served within a priority.
+
 The scheduler counts tokens and block ids; it never touches tensors.
 """
 
@@ -47,6 +51,11 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # or "priority"
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +86,21 @@ class SchedulerStats:
     num_swapped_in_blocks_total: int = 0
 
 
+def _arrival_order(request: Request) -> tuple[float, int]:
+    return (request.arrival_time, request.sample_index)
+
+
+def _priority_order(request: Request) -> tuple[int, float, int]:
+    return (request.priority, request.arrival_time, request.sample_index)
+
+
 class Scheduler:
     def __init__(
         self, limits: SchedulerLimits, kv_manager: KVCacheManager, preemption: PreemptionPolicy | None = None
     ) -> None:
         self.limits = limits
+        # The order of every queue; the preemption victim is the last running request.
+        self._order = _priority_order if limits.policy == "priority" else _arrival_order
         self.kv = kv_manager
         self.preemption = preemption or PreemptionPolicy()
         # Where LoRA adapters live; None when LoRA is off.
@@ -116,7 +135,10 @@ class Scheduler:
             self.requests[member.request_id] = member
         if siblings:
             self.pending_forks[request.request_id] = list(siblings)
-        self.waiting.append(request)
+        if self.limits.policy == "priority":
+            self.waiting.insert(bisect.bisect_right(self.waiting, self._order(request), key=self._order), request)
+        else:
+            self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Ends requests wherever they are (abort, stop string); their blocks free at once."""
@@ -146,7 +168,7 @@ class Scheduler:
     def _enter_running(self, request: Request) -> None:
         """The one way into `running` (kept in arrival order); pins the request's adapter."""
         request.status = RequestStatus.RUNNING
-        bisect.insort(self.running, request, key=lambda r: (r.arrival_time, r.sample_index))
+        bisect.insort(self.running, request, key=self._order)
         if self.lora is not None and request.lora_id:
             self.lora.acquire(request.lora_id)
 
@@ -224,12 +246,16 @@ class Scheduler:
             out.blocks_to_swap_out.extend(pairs)
             self.num_swapped_out_blocks_total += len(pairs)
             request.status = RequestStatus.SWAPPED
-            bisect.insort(self.swapped, request, key=lambda r: (r.arrival_time, r.sample_index))
+            bisect.insort(self.swapped, request, key=self._order)
             return
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        if self.limits.policy == "priority":
+            # Ahead of every later arrival of its priority, as appendleft is under FCFS.
+            self.waiting.insert(bisect.bisect_left(self.waiting, self._order(request), key=self._order), request)
+        else:
+            self.waiting.appendleft(request)
 
     def _should_swap(self, request: Request) -> bool:
         policy = self.preemption

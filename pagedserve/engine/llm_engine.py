@@ -158,12 +158,19 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> str:
         """Validates and queues a request; raises ValueError naming the bad field.
 
         `lora_request` selects an adapter (registered here, loaded from disk on demand).
+        `priority`: lower runs first under scheduling_policy="priority" (must be 0 otherwise).
         """
         params = params or SamplingParams()
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            raise ValueError("priority: request priorities need scheduling_policy='priority' "
+                             "(--scheduling-policy priority)")
         lora_id = self._register_lora(lora_request)
         prompt_text, token_ids = self._tokenize(prompt)
         token_ids = self._truncate_prompt(token_ids, params.truncate_prompt_tokens)
@@ -186,7 +193,7 @@ class LLMEngine:
                 request_id=rid, prompt_token_ids=token_ids, sampling_params=sample_params,
                 eos_token_id=self.eos_token_id, prompt=prompt_text, cache_salt=cache_salt,
                 max_output_tokens=max_output, arrival_time=arrival, group_id=group, sample_index=index,
-                lora_id=lora_id, bad_words_token_ids=bad_words,
+                lora_id=lora_id, bad_words_token_ids=bad_words, priority=priority,
             )
 
         if params.num_samples == 1:

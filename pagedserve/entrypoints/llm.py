@@ -77,10 +77,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; results come back in input order.
 
         Args:
+            priority: one per prompt; lower runs first (needs scheduling_policy="priority").
             lora_request: one adapter for every prompt, or one (or None) per prompt.
                 Each adapter is loaded and validated first: a bad one raises
                 LoRALoadError naming it before any prompt runs.
@@ -88,7 +90,10 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast_params(sampling_params, len(prompt_list))
         loras = self._prepare_loras(lora_request, len(prompt_list))
-        request_ids = self._add_all(prompt_list, params_list, loras)
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"priority: got {len(priorities)} for {len(prompt_list)} prompts; pass one per prompt")
+        request_ids = self._add_all(prompt_list, params_list, loras, priorities)
         return self._run(request_ids, use_tqdm)
 
     def _prepare_loras(
@@ -169,13 +174,18 @@ class LLM:
         return [engine.beam_search.results.pop(i) for i in ids]
 
     def _add_all(
-        self, prompts: list[PromptInput], params: list[SamplingParams], loras: list[LoRARequest | None]
+        self,
+        prompts: list[PromptInput],
+        params: list[SamplingParams],
+        loras: list[LoRARequest | None],
+        priorities: list[int] | None = None,
     ) -> list[str]:
         engine = self.llm_engine
         added: list[str] = []
+        priorities = priorities or [0] * len(prompts)
         try:
-            for prompt, p, lora in zip(prompts, params, loras, strict=True):
-                added.append(engine.add_request(None, prompt, p, lora_request=lora))
+            for prompt, p, lora, priority in zip(prompts, params, loras, priorities, strict=True):
+                added.append(engine.add_request(None, prompt, p, lora_request=lora, priority=priority))
         except Exception:
             # One bad prompt fails the call, but must not leave the others in the engine.
             engine.abort_request(added)
