@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 import os
-import weakref
 
 import pytest
 
 # Keep tests on the CPU's two cores without oversubscription by tokenizers' thread pool.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from pagedserve.engine import llm_engine  # noqa: E402
-
-_live_engines: list[weakref.ref] = []
-_original_init = llm_engine.LLMEngine.__init__
-
-
-def _tracking_init(self, *args, **kwargs):
-    _original_init(self, *args, **kwargs)
-    _live_engines.append(weakref.ref(self))
-
-
-llm_engine.LLMEngine.__init__ = _tracking_init  # type: ignore[method-assign]
+from pagedserve.engine import registry  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -29,14 +17,12 @@ def kv_leak_check():
     """After each test: every live engine is idle, all blocks free, refcounts zero.
 
     Engines shared by a module fixture are checked after every test that used them.
-    An engine driven by a server thread sets `external_leak_check` and is checked by its
+    An engine stepped by a server thread (it has a driver in the registry) is checked by its
     own tests once the server is idle (checking it from here would race its loop).
     """
     yield
-    _live_engines[:] = [ref for ref in _live_engines if ref() is not None]
-    for ref in _live_engines:
-        engine = ref()
-        if engine is not None and not getattr(engine, "external_leak_check", False):
+    for engine in registry.live_engines():
+        if registry.driver_of(engine) is None:
             engine.assert_no_leaks()
 
 

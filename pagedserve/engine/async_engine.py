@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.engine import registry
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -121,9 +122,8 @@ class AsyncLLMEngine:
         self, engine: LLMEngine, observer: EngineObserver | None = None, stall_timeout_s: float = 60.0
     ) -> None:
         self.engine = engine
-        # The per-test leak fixture must not inspect an engine another thread is stepping;
-        # server tests run the leak check inside the engine thread once it is idle.
-        engine.external_leak_check = True
+        # From now on only our thread steps it; checks from elsewhere must go through us.
+        registry.set_driver(engine, self)
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size

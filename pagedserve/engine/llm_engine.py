@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from pagedserve.beam_search import BeamSearchParams
 from pagedserve.config import EngineConfig
 from pagedserve.core.factory import build_kv_manager, build_scheduler
 from pagedserve.core.scheduler import PreemptionPolicy, SchedulerStats
+from pagedserve.engine import registry
 from pagedserve.engine.beam_search import BeamSearchDriver
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.parallel_sampling import SampleGroup, sample_request_id
@@ -45,8 +47,11 @@ class EngineStats:
 
 
 class LLMEngine:
+    _created = itertools.count()
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.created_seq = next(LLMEngine._created)
         self.device = config.torch_device()
         torch.manual_seed(config.model.seed)
         model_cfg = config.model
@@ -86,6 +91,7 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._steps_total = 0
         self._last_step_tokens = 0
+        registry.register(self)
 
     def _default_kv_cache_bytes(self) -> int:
         utilization = self.config.cache.memory_utilization
