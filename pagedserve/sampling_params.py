@@ -10,6 +10,15 @@ from typing import Any
 from pagedserve.beam_search import BeamSearchParams
 
 _GREEDY_EPS = 1e-5
+# The seeds torch.Generator.manual_seed accepts (a signed or an unsigned 64-bit value).
+SEED_MIN = -(1 << 63)
+SEED_MAX = (1 << 64) - 1
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a seeded request: seed + index, wrapped into the range."""
+    value = seed + index
+    return value - (1 << 64) if value > SEED_MAX else value
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -121,8 +130,10 @@ class SamplingParams:
             raise bad("logprobs", "an integer in [0, 20], or -1 for the whole vocabulary", self.logprobs)
         if self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported yet.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer", self.seed)
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise bad("seed", f"an integer in [{SEED_MIN}, {SEED_MAX}]", self.seed)
         if any(not isinstance(s, str) or not s for s in self._stop_list):
             raise bad("stop", "a non-empty string or a list of non-empty strings", self.stop)
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -180,7 +191,7 @@ class SamplingParams:
         logprobs = self.logprobs
         if logprobs is None and self.num_samples > self.n:
             logprobs = 0
-        seed = None if self.seed is None else self.seed + index
+        seed = None if self.seed is None else sample_seed(self.seed, index)
         return replace(self, n=1, best_of=None, seed=seed, logprobs=logprobs)
 
     @property

@@ -16,6 +16,7 @@ from pagedserve.core.factory import build_kv_manager, build_scheduler
 from pagedserve.core.scheduler import PreemptionPolicy, SchedulerStats
 from pagedserve.engine import registry
 from pagedserve.engine.beam_search import BeamSearchDriver
+from pagedserve.engine.faults import FaultInjector
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from pagedserve.engine.tokenizer import load_tokenizer
@@ -47,10 +48,16 @@ class EngineStats:
 
 
 class LLMEngine:
+    """Args:
+        config: the frozen engine configuration.
+        faults: a fault injector (tests only; see engine/faults.py): per-request failure points.
+    """
+
     _created = itertools.count()
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, faults: FaultInjector | None = None) -> None:
         self.config = config
+        self.faults = faults
         self.created_seq = next(LLMEngine._created)
         self.device = config.torch_device()
         torch.manual_seed(config.model.seed)
@@ -64,6 +71,7 @@ class LLMEngine:
             quantization=model_cfg.quant_config(),
             kv_cache_dtype=config.cache.kv_cache_dtype,
             lora_dtype=config.lora.torch_lora_dtype(model_dtype) if config.lora else None,
+            faults=faults,
         )
         hf_config = self.runner.hf_config
         self.vocab_size = self.runner.vocab_size
@@ -317,42 +325,93 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One iteration. A request whose own preparation or detokenization raises ends
+        alone with finish_reason "error" (its blocks freed this step); only a failure of the
+        step as a whole (the model forward) propagates."""
         sched_out = self.scheduler.schedule()
         now = time.monotonic()
         for item in sched_out.scheduled:
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = now
         runner_out = self.runner.execute_model(sched_out)
+        failed = self._fail_in_runner(sched_out, runner_out.failed)
         sampled = runner_out.sampled_token_ids
         if self.beam_search.has_work():
             self.beam_search.take_reports(sched_out, sampled, runner_out.logprobs)
         updated = self.scheduler.update_from_output(sched_out, sampled, runner_out.fork_token_ids)
         if self.beam_search.has_work():
             self.beam_search.apply_decisions()
-        failed, self.scheduler.failed = self.scheduler.failed, []
+        failed += self.scheduler.failed
+        self.scheduler.failed = []
         self._record_step(sched_out)
         logprobs_by_id = _logprobs_by_request(sched_out, runner_out)
         now = time.monotonic()
         outputs = []
         for request in updated:
-            hit_stop = self.output_processor.process_token(request, logprobs_by_id.get(request.request_id), now)
-            if hit_stop and not request.status.finished:
-                # A stop string ends the request now; its blocks return to the pool this step.
-                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-            finished = request.status.finished
-            output = self.output_processor.make_output(request, finished)
-            if finished:
-                self.output_processor.finish(request.request_id, now)
+            try:
+                output = self._process_token(request, logprobs_by_id.get(request.request_id), now)
+            except Exception as exc:  # noqa: BLE001 - this request's own failure, not the batch's
+                logger.warning("request %s failed while processing its output: %r", request.request_id, exc)
+                self._end_with_error(request, f"{type(exc).__name__}: {exc}")
+                failed.append(request)
+                continue
+            if output is not None:
+                outputs.append(output)
+        for request in failed:
+            # Failed in the runner, the scheduler (its adapter did not load) or the output
+            # processor: reported as finished with "error", nothing else touched.
+            if not self.output_processor.has(request.request_id):
+                continue  # already reported as finished
+            output = self.output_processor.make_output(request, True)
+            self.output_processor.finish(request.request_id, now)
             if request.group_id is not None:
                 output = self._group_output(request, output)
             if output is not None and (output.finished or request.sampling_params.output_kind != "final_only"):
                 outputs.append(output)
-        for request in failed:
-            # Failed in the scheduler (its adapter did not load): reported, nothing else touched.
-            outputs.append(self.output_processor.make_output(request, True))
-            self.output_processor.finish(request.request_id, now)
         self._generation_tokens_total += len(updated)
         return outputs
+
+    def _process_token(self, request: Request, logprobs: Any, now: float) -> RequestOutput | None:
+        if self.faults is not None:
+            self.faults.check("detokenize", request.request_id)
+        hit_stop = self.output_processor.process_token(request, logprobs, now)
+        if hit_stop and not request.status.finished:
+            # A stop string ends the request now; its blocks return to the pool this step.
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        finished = request.status.finished
+        output = self.output_processor.make_output(request, finished)
+        if finished:
+            self.output_processor.finish(request.request_id, now)
+        if request.group_id is not None:
+            return self._group_output(request, output)
+        return output
+
+    def _end_with_error(self, request: Request, message: str) -> None:
+        """Ends one request with finish_reason "error"; `stop_reason` carries the message."""
+        request.stop_reason = message
+        if request.status.finished:
+            request.status = RequestStatus.FINISHED_ERROR  # already retired: only the report changes
+        else:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+
+    def _fail_in_runner(self, sched_out, reasons: dict[str, str]) -> list[Request]:
+        """Ends the requests (and the siblings they were to fork) whose inputs failed to build."""
+        if not reasons:
+            return []
+        failed: list[Request] = []
+        for item in sched_out.scheduled:
+            reason = reasons.get(item.request.request_id)
+            if reason is None:
+                continue
+            if item.request.is_beam:
+                # Beam search is offline only (LLM.beam_search) and one decision over all its
+                # beams: its caller gets the error.
+                self.beam_search.abort(item.request.group_id)
+                raise RuntimeError(f"beam search {item.request.group_id} failed: {reason}")
+            for request in (item.request, *item.fork_requests):
+                self._end_with_error(request, reason)
+                failed.append(request)
+        return failed
 
     def _group_output(self, request: Request, output: RequestOutput) -> RequestOutput | None:
         group = self._groups.get(request.group_id)

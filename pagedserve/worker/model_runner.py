@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,11 @@ from pagedserve.quantization import QuantizationConfig
 from pagedserve.sample.input_builder import build_sampling_metadata
 from pagedserve.sample.sampler import Sampler
 from pagedserve.worker.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_torch_dtype
+
+if TYPE_CHECKING:
+    from pagedserve.core.sched_output import ScheduledRequest
+    from pagedserve.engine.faults import FaultInjector
+    from pagedserve.sample.metadata import SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +72,9 @@ class ModelRunnerOutput:
     # Per scheduled request: first tokens (and logprobs) of its `fork_requests`, in order.
     fork_token_ids: list[list[int]] = field(default_factory=list)
     fork_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
+    # Scheduled requests whose own preparation failed (request id -> why): they sampled
+    # nothing, nor did their `fork_requests`; the engine ends them with finish_reason "error".
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -79,8 +88,10 @@ class ModelRunner:
         quantization: QuantizationConfig | None = None,
         kv_cache_dtype: str = "auto",
         lora_dtype: torch.dtype | None = None,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.device = device
+        self.faults = faults
         self.dtype = dtype
         self.block_size = block_size
         self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
@@ -167,15 +178,57 @@ class ModelRunner:
         attn_metadata = self.backend.build_metadata(common)
         with lora_step(self._lora_segments(sched)):
             hidden = self.model(input_ids, positions, attn_metadata)
-        # One logits row per sampling request, then one per sibling it forks (same row).
-        row_requests = [r for item in sched.scheduled if item.sample for r in (item.request, *item.fork_requests)]
-        if not row_requests:
+        if not any(item.sample for item in sched.scheduled):
             nothing = [None] * len(sched.scheduled)
             return ModelRunnerOutput(nothing, list(nothing), [[] for _ in nothing], [[] for _ in nothing])
+        meta, logits_indices, failed = self._sampling_inputs(sched, logits_indices)
+        if meta is None:  # every sampling request failed
+            return self._to_output(sched, None, failed)
         logits = self.model.compute_logits(hidden[logits_indices])
-        meta = build_sampling_metadata(row_requests, self.generators, self.vocab_size, self.device)
         sampled = self.sampler(logits, meta)
-        return self._to_output(sched, sampled)
+        return self._to_output(sched, sampled, failed)
+
+    def _build_sampling(self, items: list[ScheduledRequest]) -> SamplingMetadata:
+        # One logits row per sampling request, then one per sibling it forks (same row).
+        rows = [r for item in items for r in (item.request, *item.fork_requests)]
+        if self.faults is not None:
+            for request in rows:
+                self.faults.check("sampling_inputs", request.request_id)
+        return build_sampling_metadata(rows, self.generators, self.vocab_size, self.device)
+
+    def _sampling_inputs(
+        self, sched: SchedulerOutput, logits_indices: torch.Tensor
+    ) -> tuple[SamplingMetadata | None, torch.Tensor, dict[str, str]]:
+        """The step's sampling metadata, leaving out requests whose own inputs cannot be built.
+
+        A failure is pinned on a request by building each request's rows alone (only on
+        the error path); if no request fails alone, the problem is shared and is raised.
+        Returns the metadata (None if every request failed), the logits rows to keep and
+        the failed request ids with the reason.
+        """
+        items = [item for item in sched.scheduled if item.sample]
+        try:
+            return self._build_sampling(items), logits_indices, {}
+        except Exception as batch_error:
+            failed: dict[str, str] = {}
+            for item in items:
+                try:
+                    self._build_sampling([item])
+                except Exception as exc:  # noqa: BLE001 - this request's own problem
+                    failed[item.request.request_id] = f"{type(exc).__name__}: {exc}"
+            if not failed:
+                raise batch_error
+        logger.warning("requests failed while preparing sampling inputs: %s", failed)
+        keep: list[int] = []
+        row = 0
+        for item in items:
+            num_rows = 1 + len(item.fork_requests)
+            if item.request.request_id not in failed:
+                keep.extend(range(row, row + num_rows))
+            row += num_rows
+        kept_items = [item for item in items if item.request.request_id not in failed]
+        meta = self._build_sampling(kept_items) if kept_items else None
+        return meta, logits_indices[keep], failed
 
     def _prepare_inputs(
         self, sched: SchedulerOutput
@@ -233,11 +286,11 @@ class ModelRunner:
         for src_cache, dst_cache in zip(src_caches, dst_caches, strict=True):
             dst_cache[:, dst] = src_cache[:, src].to(dst_cache.device, non_blocking=True)
 
-    def _to_output(self, sched: SchedulerOutput, sampled) -> ModelRunnerOutput:
+    def _to_output(self, sched: SchedulerOutput, sampled, failed: dict[str, str]) -> ModelRunnerOutput:
         # The step's only host sync: everything comes back as Python lists at once.
-        token_ids = sampled.token_ids.tolist()
+        token_ids = sampled.token_ids.tolist() if sampled is not None else []
         lp = None
-        if sampled.logprobs is not None:
+        if sampled is not None and sampled.logprobs is not None:
             lp = (sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist(), sampled.ranks.tolist())
 
         def row_logprobs(row: int, request) -> TokenLogprobs | None:
@@ -247,10 +300,10 @@ class ModelRunner:
             end = None if want == -1 else want + 1  # -1: the whole vocabulary
             return lp[0][row][:end], lp[1][row][:end], lp[2][row][:end]
 
-        out = ModelRunnerOutput([], [], [], [])
+        out = ModelRunnerOutput([], [], [], [], failed)
         row = 0
         for item in sched.scheduled:
-            if not item.sample:
+            if not item.sample or item.request.request_id in failed:
                 out.sampled_token_ids.append(None)
                 out.logprobs.append(None)
                 out.fork_token_ids.append([])
