@@ -245,7 +245,9 @@ class AsyncLLMEngine:
         try:
             while True:
                 # Block only when idle: a busy engine steps again right after the commands.
-                if not self._process_commands(block=not self.engine.has_unfinished_requests()):
+                # An idle engine is not stalled: the stall clock runs only while there is work.
+                self._set_busy(self.engine.has_unfinished_requests())
+                if not self._process_commands(block=not self._busy):
                     break
                 self._set_busy(self.engine.has_unfinished_requests())
                 if self._busy:

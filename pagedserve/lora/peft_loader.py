@@ -104,6 +104,7 @@ def load_peft_adapter(
     module_dims: dict[str, tuple[int, int]],
     num_layers: int,
     max_lora_rank: int,
+    confine_to: pathlib.Path | None = None,
 ) -> LoRAAdapter:
     """Read and validate the adapter at `request.lora_path`.
 
@@ -111,6 +112,8 @@ def load_peft_adapter(
         module_dims: module name -> (in_dim, out_dim) of the base model's projection.
         num_layers: decoder layers of the base model.
         max_lora_rank: the engine's largest servable rank.
+        confine_to: if given (a resolved folder), every file read must resolve inside it,
+            so a symlink cannot make the loader read elsewhere (the server's --lora-dir).
 
     Raises:
         LoRALoadError: missing or corrupt files, an unsupported feature (DoRA,
@@ -124,10 +127,16 @@ def load_peft_adapter(
             f"{request.lora_path}): {problem}"
         )
 
-    folder = pathlib.Path(request.lora_path)
-    config = _read_config(folder, fail)
-    _check_config(config, fail)
-    pairs = _group_tensors(_read_tensors(folder, fail), fail)
+    files = _AdapterFiles(pathlib.Path(request.lora_path), confine_to, fail)
+    try:
+        config = _read_config(files, fail)
+        _check_config(config, fail)
+        tensors = _read_tensors(files, fail)
+    except (OSError, ValueError) as exc:  # a name too long, a NUL byte, no permission ...
+        if isinstance(exc, LoRALoadError):
+            raise
+        raise fail(f"cannot read the adapter folder: {exc}") from exc
+    pairs = _group_tensors(tensors, fail)
     weights: dict[tuple[int, str], LoRAModuleWeights] = {}
     for key, ab in sorted(pairs.items()):
         layer, name = _locate(key, config["target_modules"], num_layers, module_dims, fail)
@@ -139,11 +148,35 @@ def load_peft_adapter(
     return LoRAAdapter(request.lora_name, request.lora_int_id, request.lora_path, rank, weights)
 
 
-def _read_config(folder: pathlib.Path, fail: Fail) -> dict[str, Any]:
-    path = folder / _CONFIG
-    if not folder.is_dir():
+class _AdapterFiles:
+    """The adapter folder's files, each checked to resolve inside `confine_to` when given."""
+
+    def __init__(self, folder: pathlib.Path, confine_to: pathlib.Path | None, fail: Fail) -> None:
+        self.folder = folder
+        self.confine_to = confine_to
+        self.fail = fail
+
+    def is_dir(self) -> bool:
+        return self.folder.is_dir()
+
+    def path(self, name: str) -> pathlib.Path | None:
+        """The file to open (resolved), or None if there is none; refused if it escapes."""
+        path = self.folder / name
+        if not path.is_file():
+            return None
+        if self.confine_to is None:
+            return path
+        resolved = pathlib.Path(path.resolve())
+        if not resolved.is_relative_to(self.confine_to):
+            raise self.fail(f"{name} resolves outside the allowed folder {self.confine_to} (a symlink?)")
+        return resolved
+
+
+def _read_config(files: _AdapterFiles, fail: Fail) -> dict[str, Any]:
+    if not files.is_dir():
         raise fail("adapter folder not found")
-    if not path.is_file():
+    path = files.path(_CONFIG)
+    if path is None:
         raise fail(f"missing {_CONFIG}")
     try:
         config = json.loads(path.read_text())
@@ -198,17 +231,19 @@ def _check_targets(targets: Any, fail: Fail) -> None:
             raise fail(f"target module {target!r} is not supported (targetable: {', '.join(TARGETABLE)})")
 
 
-def _read_tensors(folder: pathlib.Path, fail: Fail) -> dict[str, torch.Tensor]:
-    if (folder / _SAFETENSORS).is_file():
+def _read_tensors(files: _AdapterFiles, fail: Fail) -> dict[str, torch.Tensor]:
+    safetensors_path = files.path(_SAFETENSORS)
+    if safetensors_path is not None:
         from safetensors.torch import load_file
 
         try:
-            return load_file(str(folder / _SAFETENSORS))
+            return load_file(str(safetensors_path))
         except Exception as exc:  # SafetensorError, OSError, ...: any unreadable file
             raise fail(f"corrupt {_SAFETENSORS}: {exc}") from exc
-    if (folder / _BIN).is_file():
+    bin_path = files.path(_BIN)
+    if bin_path is not None:
         try:
-            tensors = torch.load(folder / _BIN, map_location="cpu", weights_only=True)
+            tensors = torch.load(bin_path, map_location="cpu", weights_only=True)
         except Exception as exc:  # pickle / zip errors, disallowed globals
             raise fail(f"corrupt {_BIN}: {exc}") from exc
         if not isinstance(tensors, dict) or not all(

@@ -11,13 +11,18 @@ disconnect. Leaving early (disconnect, error, shutdown) aborts the group's reque
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
+import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 
 from pagedserve import __version__
 from pagedserve.server.errors import APIError, error_body, install_error_handlers
@@ -29,10 +34,17 @@ from pagedserve.server.lora_admin import (
 )
 from pagedserve.server.metrics import CONTENT_TYPE
 from pagedserve.server.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    TokenizeChatRequest,
     TokenizeRequest,
+    TokenizeResponse,
     now_s,
 )
 from pagedserve.server.serving_chat import create_chat_completion, render_chat
@@ -40,6 +52,49 @@ from pagedserve.server.serving_common import ServerContext
 from pagedserve.server.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
+
+# Bodies larger than this are parsed in a worker thread, not on the event loop.
+OFF_LOOP_JSON_BYTES = 64 << 10
+
+
+class _OffLoopJSONRequest(Request):
+    """A request whose large JSON body is parsed off the event loop (a 10 MB prompt takes
+    tens of ms to parse, which would stall /health and every stream meanwhile)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            self._json = await asyncio.to_thread(json.loads, body) if len(body) > OFF_LOOP_JSON_BYTES else json.loads(body)
+        return self._json
+
+
+class _OffLoopJSONRoute(APIRoute):
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def off_loop_json_handler(request: Request) -> Response:
+            return await handler(_OffLoopJSONRequest(request.scope, request.receive))
+
+        return off_loop_json_handler
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI responses: the error envelope for each status a route can answer."""
+    why = {
+        400: "Invalid request: the error's `param` names the field",
+        401: "Missing or wrong API key (when the server has one)",
+        404: "Unknown model or adapter",
+        500: "The request failed in the engine (the engine keeps serving others)",
+        503: "Overloaded (with Retry-After), shutting down, or the engine is not running",
+    }
+    return {status: {"model": ErrorResponse, "description": why[status]} for status in statuses}
+
+
+def _streamed(model: type, chunk: type) -> dict[int | str, dict[str, Any]]:
+    sse = {"schema": {"type": "string", "description": f"server-sent events: `data: <{chunk.__name__}>` lines, "
+                                                       "then `data: [DONE]`"}}
+    return {200: {"model": model, "description": "The result, or an SSE stream with stream=true",
+                  "content": {"text/event-stream": sse}}}
 
 
 def get_ctx(request: Request) -> ServerContext:
@@ -58,21 +113,23 @@ def check_api_key(request: Request) -> None:
                        None, "invalid_api_key")
 
 
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-root = APIRouter()
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)], route_class=_OffLoopJSONRoute)
+root = APIRouter(route_class=_OffLoopJSONRoute)
+
+GENERATE_ERRORS = _errors(400, 401, 404, 500, 503)
 
 
-@v1.post("/completions")
+@v1.post("/completions", responses={**_streamed(CompletionResponse, CompletionResponse), **GENERATE_ERRORS})
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await create_completion(get_ctx(request), body, request)
 
 
-@v1.post("/chat/completions")
+@v1.post("/chat/completions", responses={**_streamed(ChatCompletionResponse, ChatCompletionChunk), **GENERATE_ERRORS})
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await create_chat_completion(get_ctx(request), body, request)
 
 
-@v1.get("/models")
+@v1.get("/models", responses=_errors(401))
 async def models(request: Request) -> JSONResponse:
     ctx = get_ctx(request)
     data = [
@@ -92,17 +149,18 @@ async def models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": data})
 
 
-@v1.post("/load_lora_adapter")
+@v1.post("/load_lora_adapter", responses=_errors(400, 401, 404, 503))
 async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> JSONResponse:
     return JSONResponse(await load_adapter(get_ctx(request), body))
 
 
-@v1.post("/unload_lora_adapter")
+@v1.post("/unload_lora_adapter", responses=_errors(400, 401, 404, 503))
 async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> JSONResponse:
     return JSONResponse(await unload_adapter(get_ctx(request), body))
 
 
-@root.get("/health")
+@root.get("/health", response_class=Response,
+          responses={200: {"description": "Healthy (empty body)", "content": {}}, **_errors(503)})
 async def health(request: Request) -> Response:
     problem = get_ctx(request).engine.health()
     if problem is not None:
@@ -110,39 +168,54 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@root.get("/metrics")
+@root.get("/metrics", response_class=Response,
+          responses={200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
     ctx = get_ctx(request)
     body = ctx.metrics.render(ctx.engine.stats, ctx.engine.num_waiting)
     return Response(body, media_type=CONTENT_TYPE)
 
 
-@root.post("/tokenize")
+@root.post("/tokenize", responses={200: {"model": TokenizeResponse}, **_errors(400, 404)})
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     ctx = get_ctx(request)
     ctx.resolve_model(body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "send exactly one of prompt and messages", "prompt")
-    if body.messages is not None:
-        tokens = render_chat(ctx, body.messages, body.add_generation_prompt)
+    if isinstance(body, TokenizeChatRequest):
+        tokens = await render_chat(ctx, body.messages, body.add_generation_prompt)
     else:
-        tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ctx.check_prompt_chars(len(body.prompt), "prompt")
+        tokens = await ctx.off_loop(ctx.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
     return JSONResponse({"count": len(tokens), "max_model_len": ctx.engine.max_model_len, "tokens": tokens})
 
 
-@root.post("/detokenize")
+@root.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **_errors(400, 404)})
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
     ctx = get_ctx(request)
     ctx.resolve_model(body.model)
     vocab = ctx.engine.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise APIError(400, f"tokens must be token ids in [0, {vocab})", "tokens")
-    return JSONResponse({"prompt": ctx.tokenizer.decode(body.tokens)})
+    return JSONResponse({"prompt": await ctx.off_loop(ctx.tokenizer.decode, body.tokens)})
 
 
 @root.get("/version")
 async def version() -> JSONResponse:
     return JSONResponse({"version": __version__})
+
+
+class _App(FastAPI):
+    def openapi(self) -> dict[str, Any]:
+        """The document, less FastAPI's automatic 422 (this server answers 400 instead)."""
+        if self.openapi_schema is None:
+            doc = get_openapi(title=self.title, version=self.version, routes=self.routes)
+            for path in doc.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            schemas = doc.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            self.openapi_schema = doc
+        return self.openapi_schema
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -157,8 +230,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
             # Reached after uvicorn stopped accepting and waited (--shutdown-timeout) for
             # in-flight requests; whatever is still running is aborted here.
             await ctx.engine.shutdown()
+            ctx.tokenize_pool.shutdown(wait=False)
 
-    app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan)
+    app = _App(title="pagedserve", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(v1)

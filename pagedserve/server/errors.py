@@ -3,7 +3,8 @@
     {"error": {"message": "...", "type": "invalid_request_error", "param": "n", "code": null}}
 
 Every error the server returns has this shape: invalid fields (pydantic's included) are
-400 naming the field, never FastAPI's default 422.
+400 naming the field, never FastAPI's default 422; a field the server does not implement
+is a 400 naming it too.
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ class APIError(Exception):
     """An error that reaches the client as OpenAI's envelope with this status."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
@@ -45,7 +48,13 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": _printable(message), "type": kind, "param": param and _printable(param), "code": code}}
+
+
+def _printable(text: str) -> str:
+    # A message may quote the client's input; a lone surrogate in it must not break the
+    # UTF-8 encoding of the answer (which would reset the connection instead).
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(exc: ValueError, fields: set[str]) -> APIError:
@@ -62,11 +71,36 @@ def bad_request(exc: ValueError, fields: set[str]) -> APIError:
     return APIError(400, message, param)
 
 
+def _field_path(loc: tuple[Any, ...]) -> list[str]:
+    # pydantic's location, less "body" and the names it gives union members
+    # ("TokenizeChatRequest", "list[int]", "function-after[...]"): the field names remain.
+    return [str(x) for x in loc if x != "body" and not (isinstance(x, str) and (x[:1].isupper() or "[" in x))]
+
+
+def _closest_member(errors: list[Any]) -> list[Any]:
+    """For a body that is a union of models (/tokenize), the errors of the member it came
+    closest to matching (fewest errors), so that the message is about that shape."""
+    members: dict[str, list[Any]] = {}
+    for error in errors:
+        loc = tuple(error.get("loc", ()))
+        if len(loc) > 1 and loc[0] == "body" and isinstance(loc[1], str) and loc[1][:1].isupper():
+            members.setdefault(loc[1], []).append(error)
+    if len(members) < 2:
+        return errors
+    return min(members.values(), key=len)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = _closest_member(list(exc.errors()))
+    unsupported = [e for e in errors if e.get("type") == "extra_forbidden"]
+    if unsupported:
+        # Named first: an unknown field is refused, whatever else is wrong.
+        where = ".".join(_field_path(tuple(unsupported[0].get("loc", ()))))
+        return f"{where}: this field is not supported by this server (refused rather than ignored)", where.split(".")[0]
     parts = []
     param = None
-    for error in exc.errors()[:3]:
-        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+    for error in errors[:3]:
+        loc = _field_path(tuple(error.get("loc", ())))
         if param is None and loc:
             param = loc[0]
         where = ".".join(loc) if loc else "body"
@@ -76,8 +110,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    headers = dict(exc.headers or {})
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
@@ -88,7 +124,9 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+    # Keeps starlette's headers (the Allow list of a 405).
+    return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
 
 
 async def _unhandled(_: Request, exc: Exception) -> JSONResponse:

@@ -2,7 +2,8 @@
 
 Runtime updates are off unless `--enable-lora-runtime-updates`; they sit behind the API key
 (the /v1 router) and accept only adapter folders inside a `--lora-dir` root, checked after
-resolving `..` and symlinks, so a request cannot make the server read elsewhere.
+resolving `..` and symlinks; every file the loader then opens must resolve inside that root
+too (a symlinked weights file is refused), so a request cannot make the server read elsewhere.
 """
 
 from __future__ import annotations
@@ -11,21 +12,28 @@ import asyncio
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import BaseModel
+from pydantic import Field, StringConstraints
 
+from pagedserve.engine.async_engine import EngineDeadError
 from pagedserve.lora.peft_loader import LoRALoadError, load_peft_adapter
 from pagedserve.lora.request import LoRARequest
 from pagedserve.server.errors import APIError
+from pagedserve.server.protocol import StrictRequest
+
+# A served name: no control characters; a path: no NUL, at most PATH_MAX.
+LoRAName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f]+$")]
+LoRAPath = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
 
 
-class LoadLoRARequest(BaseModel):
-    lora_name: str
-    lora_path: str
+class LoadLoRARequest(StrictRequest):
+    lora_name: LoRAName
+    lora_path: LoRAPath
 
 
-class UnloadLoRARequest(BaseModel):
-    lora_name: str
+class UnloadLoRARequest(StrictRequest):
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
 
 
 @dataclass
@@ -35,6 +43,8 @@ class LoRARegistry:
     adapters: dict[str, LoRARequest] = field(default_factory=dict)
     lora_dirs: list[Path] = field(default_factory=list)
     runtime_updates: bool = False
+    # Names whose load is under way: a second load of the same name is refused meanwhile.
+    loading: set[str] = field(default_factory=set)
     _next_id: int = 1
 
     def new_request(self, name: str, path: str) -> LoRARequest:
@@ -52,11 +62,16 @@ class LoRARegistry:
             engine.lora_manager.register(request, load_now=True)
             self.adapters[name] = request
 
-    def check_path(self, path: str) -> str:
-        resolved = Path(os.path.realpath(path))
-        for root in self.lora_dirs:
-            if resolved.is_relative_to(Path(os.path.realpath(root))):
-                return str(resolved)
+    def check_path(self, path: str) -> tuple[str, Path]:
+        """The resolved adapter folder and the --lora-dir root that holds it; 400 otherwise."""
+        try:
+            resolved = Path(os.path.realpath(path))
+            for root in self.lora_dirs:
+                real_root = Path(os.path.realpath(root))
+                if resolved.is_relative_to(real_root):
+                    return str(resolved), real_root
+        except (OSError, ValueError) as exc:
+            raise APIError(400, f"lora_path is not a usable path: {exc}", "lora_path") from None
         raise APIError(400, f"lora_path {path!r} is outside the allowed --lora-dir roots", "lora_path")
 
 
@@ -64,22 +79,38 @@ async def load_adapter(ctx, body: LoadLoRARequest) -> dict:
     registry: LoRARegistry = ctx.loras
     if not registry.runtime_updates:
         raise APIError(404, "runtime LoRA updates are off (start with --enable-lora-runtime-updates)", None, "not_found")
-    if body.lora_name in registry.adapters or body.lora_name in ctx.model_names:
-        raise APIError(400, f"lora_name {body.lora_name!r} is already in use", "lora_name")
-    path = registry.check_path(body.lora_path)
-    request = registry.new_request(body.lora_name, path)
-    engine = ctx.engine.engine
-    manager = engine.lora_manager
+    name = body.lora_name
+    if name in registry.adapters or name in registry.loading or name in ctx.model_names:
+        raise APIError(400, f"lora_name {name!r} is already loaded (or being loaded)", "lora_name")
+    path, root = registry.check_path(body.lora_path)
+    registry.loading.add(name)  # claimed before the first await: concurrent loads of a name see it
+    try:
+        await _load(ctx, registry.new_request(name, path), root)
+    finally:
+        registry.loading.discard(name)
+    return {"object": "lora_adapter", "lora_name": name, "status": "loaded"}
+
+
+async def _load(ctx, request: LoRARequest, root: Path) -> None:
+    registry: LoRARegistry = ctx.loras
+    manager = ctx.engine.engine.lora_manager
     try:
         # Read and validate off the event loop and off the engine thread.
         adapter = await asyncio.to_thread(
-            load_peft_adapter, request, manager.module_dims, manager.num_layers, manager.config.max_lora_rank
+            load_peft_adapter, request, manager.module_dims, manager.num_layers, manager.config.max_lora_rank,
+            confine_to=root,
         )
     except LoRALoadError as exc:
         raise APIError(400, str(exc), "lora_path") from None
-    await asyncio.to_thread(ctx.engine.call_in_engine_thread, lambda e: e.lora_manager.register(request, adapter=adapter))
-    registry.adapters[body.lora_name] = request
-    return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "loaded"}
+    try:
+        await asyncio.to_thread(
+            ctx.engine.call_in_engine_thread, lambda e: e.lora_manager.register(request, adapter=adapter)
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), "lora_name") from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc)) from None
+    registry.adapters[request.lora_name] = request
 
 
 async def unload_adapter(ctx, body: UnloadLoRARequest) -> dict:
@@ -93,5 +124,7 @@ async def unload_adapter(ctx, body: UnloadLoRARequest) -> dict:
         await asyncio.to_thread(ctx.engine.call_in_engine_thread, lambda e: e.lora_manager.unregister(request.lora_int_id))
     except ValueError as exc:
         raise APIError(400, str(exc), "lora_name") from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc)) from None
     del registry.adapters[body.lora_name]
     return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "unloaded"}

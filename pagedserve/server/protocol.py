@@ -1,24 +1,38 @@
 """OpenAI-compatible request and response schemas (plus vLLM's sampling extras).
 
-Unknown request fields are ignored, as OpenAI does. Ranges that SamplingParams already
-checks (temperature, top_p, penalties, ...) are left to it, so there is one source of truth
-and its message names the field; pydantic only checks types and the server-side fields.
+Request models are as strict as the server, so the OpenAPI document tells the truth:
+  - a field the server does not implement is refused (400 naming it), never ignored;
+  - types are strict (no "1" for 1, no 0.0 for an integer, no true for a token id),
+    NaN / Infinity are refused, text may not hold lone surrogates (it could not be
+    tokenized or echoed back as UTF-8);
+  - the single-field ranges SamplingParams checks are in the schema too (same bounds, so
+    both name the same field); what depends on several fields or on the model (best_of
+    >= n, min_tokens <= max_tokens, token ids < vocabulary size, the context length) is
+    checked by SamplingParams and the handlers, and documented as a 400 response.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 # OpenAI allows up to 20 top logprobs; the engine's sampler returns at most that many.
 MAX_LOGPROBS = 20
 # n and best_of fan out into independent engine requests; keep one HTTP call bounded.
 MAX_SAMPLES = 128
+# Each stop string is searched for after every token; keep that bounded.
+MAX_STOP_STRINGS = 1024
+
+TokenId = Annotated[int, Field(ge=0)]
+NonEmptyText = Annotated[str, StringConstraints(min_length=1)]
+# logit_bias keys are token ids written as JSON object keys (decimal strings).
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 def random_id(prefix: str) -> str:
@@ -29,34 +43,65 @@ def now_s() -> int:
     return int(time.time())
 
 
-class StreamOptions(BaseModel):
+def _find_surrogate(value: Any) -> bool:
+    """True if any string inside `value` holds a lone surrogate (not encodable as UTF-8)."""
+    if isinstance(value, str):
+        if value.isascii():
+            return False
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list | tuple):
+        # Lists are homogeneous here: a list of token ids holds no text (and may be long).
+        if not value or isinstance(value[0], int | float):
+            return False
+        return any(_find_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(_find_surrogate(k) or _find_surrogate(v) for k, v in value.items())
+    return False
+
+
+class StrictRequest(BaseModel):
+    """Base of every request body: unknown fields refused, strict types, no NaN, valid text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        if _find_surrogate(value):
+            raise ValueError("text must be valid Unicode (it holds a lone surrogate such as \\ud800)")
+        return value
+
+
+class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(StrictRequest):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_SAMPLES)
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[TokenIdKey, Bias] | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
@@ -88,27 +133,28 @@ class SamplingRequest(BaseModel):
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if bias is None:
         return None
-    try:
-        return {int(token_id): value for token_id, value in bias.items()}
-    except ValueError:
-        raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
+    return {int(token_id): value for token_id, value in bias.items()}
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     max_tokens: int | None = Field(16, ge=1)
     best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
 
 
-class TextPart(BaseModel):
+class TextPart(StrictRequest):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(StrictRequest):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -122,9 +168,16 @@ class ChatMessage(BaseModel):
             message["name"] = self.name
         return message
 
+    @property
+    def num_chars(self) -> int:
+        if isinstance(self.content, list):
+            return sum(len(part.text) for part in self.content)
+        return len(self.content or "")
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    # Without either, a chat request may generate up to the context length (vLLM does the same).
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -132,17 +185,48 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeCompletionRequest(StrictRequest):
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str
     add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(StrictRequest):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+# vLLM's two shapes of /tokenize: exactly one of prompt and messages.
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+class DetokenizeRequest(StrictRequest):
     model: str | None = None
+    tokens: list[TokenId]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope, the body of every non-2xx answer."""
+
+    error: ErrorInfo
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
     tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # ---- responses ---------------------------------------------------------------------------

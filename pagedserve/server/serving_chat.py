@@ -32,6 +32,7 @@ from pagedserve.server.serving_common import (
     ChoiceState,
     ServerContext,
     check_context_length,
+    check_not_failed,
     collect,
     fan_out,
     make_params,
@@ -42,8 +43,14 @@ from pagedserve.server.serving_common import (
 )
 
 
-def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """Token ids of the templated conversation (the --chat-template override wins)."""
+async def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """Token ids of the templated conversation (the --chat-template override wins), rendered
+    and tokenized off the event loop, after refusing messages too long to fit."""
+    ctx.check_prompt_chars(sum(m.num_chars for m in messages), "messages")
+    return await ctx.off_loop(_render, ctx, messages, add_generation_prompt)
+
+
+def _render(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
     tokenizer = ctx.tokenizer
     template = ctx.chat_template
     if template is None and not getattr(tokenizer, "chat_template", None):
@@ -66,7 +73,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     arrival = time.monotonic()
     model = ctx.resolve_model(body.model)
     _check_fields(body)
-    prompt_ids = render_chat(ctx, body.messages, body.add_generation_prompt)
+    prompt_ids = await render_chat(ctx, body.messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = make_params(body, max_tokens, logprobs)
@@ -172,6 +179,7 @@ async def _stream(
                 completion = output.outputs[0]
                 completion_tokens += len(completion.token_ids)
                 yield chunk([_chunk_choice(body, index, completion)])
+                check_not_failed(output)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], _usage(num_prompt_tokens, completion_tokens))
     except Exception as exc:  # noqa: BLE001 - reported in-band: the 200 is already sent

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -15,7 +17,7 @@ from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, Requ
 from pagedserve.engine.llm_engine import PromptInput
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import Logprob, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, sample_seed
 from pagedserve.server.errors import APIError, bad_request
 from pagedserve.server.lora_admin import LoRARegistry
 from pagedserve.server.metrics import ServerMetrics
@@ -23,6 +25,13 @@ from pagedserve.server.metrics import ServerMetrics
 SSE_DONE = "data: [DONE]\n\n"
 # How often a non-streaming handler checks that its client is still there.
 DISCONNECT_POLL_S = 0.2
+# What a client that hit --max-queue-len is told to wait before retrying (seconds).
+RETRY_AFTER_S = 1
+# A tokenizer normalizer may fold several characters into one before tokens are cut, so a
+# prompt is refused unseen only beyond this many times the longest token's length per token.
+NORMALIZER_SLACK = 2
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -37,6 +46,12 @@ class ServerContext:
     chat_template: str | None = None
     max_queue_len: int | None = None
     loras: LoRARegistry = field(default_factory=LoRARegistry)
+    # Tokenization and chat templates run here, off the event loop. One worker: HF fast
+    # tokenizers are not meant to be called from several threads at once.
+    tokenize_pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenize")
+    )
+    _prompt_char_limit: int | None = field(default=None, init=False, repr=False)
 
     def resolve_model(self, model: str | None) -> str:
         """The served name to echo back (the base model's or an adapter's); 404 if unknown."""
@@ -54,6 +69,37 @@ class ServerContext:
         if self.engine.tokenizer is None:
             raise APIError(400, "this server has no tokenizer; send prompts as token ids", "prompt")
         return self.engine.tokenizer
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Runs a tokenizer / template call in the tokenize worker, keeping the event loop free."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenize_pool, lambda: fn(*args, **kwargs))
+
+    @property
+    def prompt_char_limit(self) -> int:
+        """Characters beyond which a text surely has more than max_model_len tokens.
+
+        No token covers more characters than its vocabulary entry has (a byte-level BPE
+        entry has one character per byte), so a text this long cannot fit in
+        max_model_len tokens; it is refused before tokenizing it.
+        """
+        if self._prompt_char_limit is None:
+            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+            self._prompt_char_limit = self.engine.max_model_len * max(1, longest) * NORMALIZER_SLACK
+        return self._prompt_char_limit
+
+    def check_prompt_chars(self, num_chars: int, what: str) -> None:
+        """400 (vLLM's context-length wording) when `num_chars` proves the text is too long."""
+        limit = self.prompt_char_limit
+        if num_chars > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.engine.max_model_len} tokens. However, the "
+                f"{what} has {num_chars} characters, more than that many tokens can hold ({limit}). "
+                f"Please reduce the length of the {what}.",
+                what,
+                "context_length_exceeded",
+            )
 
 
 class ClientDisconnected(APIError):
@@ -89,7 +135,7 @@ def fan_out(params: SamplingParams, num_samples: int) -> list[SamplingParams]:
     """Independent samples of one prompt; sample i gets seed + i so they differ reproducibly."""
     if params.seed is None:
         return [dataclasses.replace(params) for _ in range(num_samples)]
-    return [dataclasses.replace(params, seed=params.seed + i) for i in range(num_samples)]
+    return [dataclasses.replace(params, seed=sample_seed(params.seed, i)) for i in range(num_samples)]
 
 
 async def submit(
@@ -105,6 +151,7 @@ async def submit(
         raise APIError(
             503, f"The server is overloaded: {engine.num_waiting} requests are waiting "
             f"(--max-queue-len {ctx.max_queue_len}). Retry later.", None, "overloaded",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
         )
     try:
         return await engine.add_requests(requests, arrival_time=arrival, lora_request=lora_request)
@@ -157,11 +204,26 @@ async def collect(group: RequestGroup, raw_request: Request) -> list[ChoiceState
                 done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if done:
                     task.result()
+                    for state in states:
+                        if state.finish_reason == "error":
+                            raise request_failed(state.stop_reason)
                     return states
                 if await raw_request.is_disconnected():
                     raise ClientDisconnected()
         finally:
             task.cancel()
+
+
+def request_failed(reason: object) -> APIError:
+    """The 500 of a request the engine ended with finish_reason "error" (the engine lives on)."""
+    return APIError(500, f"the request failed in the engine: {reason}", None, "request_failed")
+
+
+def check_not_failed(output: RequestOutput) -> None:
+    """In a stream: an output that ended with "error" ends the stream with an error chunk."""
+    completion = output.outputs[0]
+    if output.finished and completion.finish_reason == "error":
+        raise request_failed(completion.stop_reason)
 
 
 def sse(chunk: BaseModel | dict[str, Any]) -> str:

@@ -33,6 +33,7 @@ from pagedserve.server.serving_common import (
     ChoiceState,
     ServerContext,
     check_context_length,
+    check_not_failed,
     collect,
     fan_out,
     make_params,
@@ -52,7 +53,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_req
     arrival = time.monotonic()
     model = ctx.resolve_model(body.model)
     _check_fields(body)
-    prompts = _prompts(ctx, body.prompt)
+    prompts = await _prompts(ctx, body.prompt)
     num_samples = body.best_of or body.n
     if len(prompts) * num_samples > MAX_ENGINE_REQUESTS:
         raise APIError(400, f"prompts x samples must be <= {MAX_ENGINE_REQUESTS}", "n")
@@ -79,8 +80,6 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_req
 
 
 def _check_fields(body: CompletionRequest) -> None:
-    if body.suffix is not None:
-        raise APIError(400, "suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of < body.n:
         raise APIError(400, f"best_of must be >= n ({body.n}), got {body.best_of}", "best_of")
     if body.stream and body.best_of is not None and body.best_of > body.n:
@@ -91,21 +90,20 @@ def _check_fields(body: CompletionRequest) -> None:
         raise APIError(400, "echo with logprobs needs prompt logprobs, which are not supported yet", "echo")
 
 
-def _prompts(ctx: ServerContext, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
-    """Normalizes the four prompt shapes; text is tokenized here, as the engine would."""
+async def _prompts(ctx: ServerContext, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+    """Normalizes the four prompt shapes; text is tokenized here (off the event loop), as
+    the engine would, after refusing any text too long to fit whatever its tokens."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise APIError(400, "prompt must not be empty", "prompt")
     if isinstance(prompt[0], int):
         return [(None, list(prompt))]  # type: ignore[arg-type]
-    out: list[Prompt] = []
-    for item in prompt:
-        if isinstance(item, str):
-            out.append((item, ctx.tokenizer.encode(item)))
-        else:
-            out.append((None, list(item)))  # type: ignore[arg-type]
-    return out
+    texts = [item for item in prompt if isinstance(item, str)]
+    for text in texts:
+        ctx.check_prompt_chars(len(text), "prompt")
+    encoded = iter(await ctx.off_loop(lambda: [ctx.tokenizer.encode(t) for t in texts]) if texts else [])
+    return [(item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in prompt]
 
 
 def _engine_prompt(text: str | None, ids: list[int]) -> PromptInput:
@@ -220,6 +218,7 @@ async def _stream(
             async for index, output in group:
                 choice = _stream_choice(ctx, body, prompts, state, index, output)
                 yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
+                check_not_failed(output)
         if body.stream_options is not None and body.stream_options.include_usage:
             usage = _usage(prompts, state.completion_tokens)
             yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
