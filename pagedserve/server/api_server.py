@@ -11,18 +11,15 @@ disconnect. Leaving early (disconnect, error, shutdown) aborts the group's reque
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
-import json
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
 
 from pagedserve import __version__
 from pagedserve.server.errors import APIError, error_body, install_error_handlers
@@ -52,31 +49,6 @@ from pagedserve.server.serving_common import ServerContext
 from pagedserve.server.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
-
-# Bodies larger than this are parsed in a worker thread, not on the event loop.
-OFF_LOOP_JSON_BYTES = 64 << 10
-
-
-class _OffLoopJSONRequest(Request):
-    """A request whose large JSON body is parsed off the event loop (a 10 MB prompt takes
-    tens of ms to parse, which would stall /health and every stream meanwhile)."""
-
-    async def json(self) -> Any:
-        if not hasattr(self, "_json"):
-            body = await self.body()
-            self._json = await asyncio.to_thread(json.loads, body) if len(body) > OFF_LOOP_JSON_BYTES else json.loads(body)
-        return self._json
-
-
-class _OffLoopJSONRoute(APIRoute):
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def off_loop_json_handler(request: Request) -> Response:
-            return await handler(_OffLoopJSONRequest(request.scope, request.receive))
-
-        return off_loop_json_handler
-
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI responses: the error envelope for each status a route can answer."""
@@ -113,8 +85,8 @@ def check_api_key(request: Request) -> None:
                        None, "invalid_api_key")
 
 
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)], route_class=_OffLoopJSONRoute)
-root = APIRouter(route_class=_OffLoopJSONRoute)
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+root = APIRouter()
 
 GENERATE_ERRORS = _errors(400, 401, 404, 500, 503)
 

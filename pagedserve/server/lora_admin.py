@@ -101,7 +101,7 @@ async def _load(ctx, request: LoRARequest, root: Path) -> None:
             confine_to=root,
         )
     except LoRALoadError as exc:
-        raise APIError(400, str(exc), "lora_path") from None
+        raise APIError(400, f"lora_path: {exc}", "lora_path") from None
     try:
         await asyncio.to_thread(
             ctx.engine.call_in_engine_thread, lambda e: e.lora_manager.register(request, adapter=adapter)

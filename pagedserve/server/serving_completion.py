@@ -56,7 +56,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_req
     prompts = await _prompts(ctx, body.prompt)
     num_samples = body.best_of or body.n
     if len(prompts) * num_samples > MAX_ENGINE_REQUESTS:
-        raise APIError(400, f"prompts x samples must be <= {MAX_ENGINE_REQUESTS}", "n")
+        raise APIError(400, f"n: prompts x samples must be <= {MAX_ENGINE_REQUESTS}", "n")
     internal_logprobs = body.logprobs if body.logprobs is not None else (0 if num_samples > body.n else None)
     params = make_params(body, body.max_tokens, internal_logprobs)
     for _, ids in prompts:
