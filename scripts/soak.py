@@ -2,6 +2,7 @@
 
     python scripts/soak.py                      # 3 minutes, the demo model, 4 requests/s
     python scripts/soak.py --duration 20 --rate 3 --model llama-gqa    # a quick check
+    python scripts/soak.py -- --swap-space 0        # flags after -- go to `pagedserve serve`
 
 Starts `pagedserve serve` as a child process on 127.0.0.1, then for --duration seconds
 starts requests at a steady --rate (each on its own, not waiting for the previous):
@@ -116,7 +117,7 @@ def free_port() -> int:
 
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "pagedserve", "serve", args.model, "--port", str(port),
-               "--log-level", "warning", "--kv-cache-memory", args.kv_cache_memory]
+               "--log-level", "warning", "--kv-cache-memory", args.kv_cache_memory, *args.server_args]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -151,6 +152,7 @@ async def soak(args: argparse.Namespace, base: str, pid: int) -> tuple[Tally, di
     rss["end"] = rss_bytes(pid)
     rss["kv_usage_end"] = kv
     rss["running_end"] = running
+    rss["preemptions"] = metric(text, "vllm:num_preemptions_total")
     return tally, rss
 
 
@@ -169,7 +171,8 @@ def report(args: argparse.Namespace, tally: Tally, rss: dict[str, float]) -> Non
               "(completed requests)")
     print(f"  RSS        start {rss['start'] / mib:.1f} MiB  {first} {rss['minute_1'] / mib:.1f} MiB  "
           f"end {rss['end'] / mib:.1f} MiB  growth after {first.split()[0]} {(rss['end'] - rss['minute_1']) / mib:+.1f} MiB")
-    print(f"  KV usage at the end {rss['kv_usage_end']:.4f}  running {rss['running_end']:.0f}")
+    print(f"  KV usage at the end {rss['kv_usage_end']:.4f}  running {rss['running_end']:.0f}  "
+          f"preemptions {rss['preemptions']:.0f}")
     for error in tally.errors:
         print("  error:", error)
 
@@ -181,6 +184,7 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=4.0, help="requests started per second")
     parser.add_argument("--kv-cache-memory", default="64MiB")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("server_args", nargs="*", help="more `pagedserve serve` flags (after --)")
     args = parser.parse_args()
     args.served_name = Path(args.model).name if os.path.isdir(args.model) else args.model
     port = free_port()

@@ -63,14 +63,22 @@ def test_seed_out_of_torch_range_is_refused_naming_seed(seed) -> None:
     assert SamplingParams(seed=SEED_MAX, n=3, temperature=1.0).for_sample(2).seed == 1  # mod 2**64
 
 
-@pytest.mark.parametrize("point", ["sampling_inputs", "detokenize"])
-def test_one_request_failing_alone_leaves_the_batch(model_path, point) -> None:
-    """#13.1 (the class): one request's failure ends it alone; the others' tokens are unchanged."""
+def _batch() -> dict[str, tuple[str, SamplingParams]]:
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=12, ignore_eos=True)
-    requests = {f"r{i}": (prompt, greedy) for i, prompt in enumerate(PROMPTS)}
-    requests["s"] = ("Sampled", seeded)
-    want = _run(_engine(model_path), requests)
+    return {**{f"r{i}": (prompt, greedy) for i, prompt in enumerate(PROMPTS)}, "s": ("Sampled", seeded)}
+
+
+@pytest.fixture(scope="module")
+def reference(model_path) -> dict:
+    """The batch's outputs with no fault (the oracle: the same engine, nothing injected)."""
+    return _run(_engine(model_path), _batch())
+
+
+@pytest.mark.parametrize("point", ["sampling_inputs", "detokenize"])
+def test_one_request_failing_alone_leaves_the_batch(model_path, reference, point) -> None:
+    """#13.1 (the class): one request's failure ends it alone; the others' tokens are unchanged."""
+    requests, want = _batch(), reference
     faults = FailRequests(point, ["r1", "s#1" if point == "detokenize" else "s#0"])
     engine = _engine(model_path, faults)
     got = _run(engine, requests)
@@ -87,7 +95,7 @@ def test_one_request_failing_alone_leaves_the_batch(model_path, point) -> None:
         assert samples[1].finish_reason == "error"
         assert samples[0].token_ids == {o.index: o for o in want["s"].outputs}[0].token_ids
     # The engine keeps serving (and the autouse fixture checks that every block came back).
-    again = _run(engine, {"after": (PROMPTS[0], greedy)})
+    again = _run(engine, {"after": requests["r0"]})
     assert again["after"].outputs[0].token_ids == want["r0"].outputs[0].token_ids
 
 
