@@ -288,18 +288,6 @@ def test_queue_full_503_has_retry_after(server: LiveServer) -> None:
     assert resp.status_code == 503 and int(resp.headers["retry-after"]) >= 1
 
 
-def test_swap_space_bare_number_is_gib() -> None:
-    """#13.9: --swap-space 4 means 4 GiB, as in vLLM; units are accepted; 0 means none."""
-    from pagedserve.entrypoints.cli import build_parser
-
-    def swap(value: str) -> int:
-        return build_parser().parse_args(["serve", "--swap-space", value]).swap_space
-
-    assert swap("4") == 4 << 30 and swap("0.5") == 1 << 29 and swap("512MiB") == 512 << 20 and swap("0") == 0
-    with pytest.raises(SystemExit):
-        swap("-1")
-
-
 def test_openapi_document_describes_the_server(server: LiveServer) -> None:
     """#13.8: error statuses and real content types documented; no 422; models strict."""
     doc = httpx.get(server.base_url + "/openapi.json").json()
