@@ -37,6 +37,8 @@ class ServerContext:
     chat_template: str | None = None
     max_queue_len: int | None = None
     loras: LoRARegistry = field(default_factory=LoRARegistry)
+    # The model's generation_config.json sampling fields: what a request that omits them gets.
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     def resolve_model(self, model: str | None) -> str:
         """The served name to echo back (the base model's or an adapter's); 404 if unknown."""
@@ -78,9 +80,11 @@ def check_context_length(ctx: ServerContext, num_prompt_tokens: int, max_tokens:
     )
 
 
-def make_params(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def make_params(
+    body: Any, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None
+) -> SamplingParams:
     try:
-        return body.sampling_params(max_tokens, logprobs)
+        return body.sampling_params(max_tokens, logprobs, defaults)
     except ValueError as exc:
         raise bad_request(exc, set(type(body).model_fields)) from None
 
