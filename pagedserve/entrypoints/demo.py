@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from pagedserve.entrypoints.cli import resolve_model
 from pagedserve.entrypoints.llm import LLM
+from pagedserve.entrypoints.model_source import resolve_model
 from pagedserve.sampling_params import SamplingParams
 
 QUESTIONS = [
