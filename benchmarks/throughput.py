@@ -241,7 +241,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _spawn(worker: str, args: argparse.Namespace, workload_file: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", worker, "--workload", workload_file, "--model", args.model,
+    cmd = [sys.executable, __file__, "--worker", worker, "--workload", workload_file, "--model", args.model or "",
            "--kv-cache-bytes", str(args.kv_cache_bytes), "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
            "--runs", str(args.runs), "--decode-tokens", str(args.decode_tokens),

@@ -67,6 +67,8 @@ def write_gguf(path, arch: str = "llama", tied: bool = False, extra_type: str | 
         for part, shape in shapes.items():
             qtype = extra_type if (extra_type and i == 0 and part == "attn_q") else types[part]
             _add(writer, f"blk.{i}.{part}.weight", rand(*shape), qtype)
+            if arch == "qwen2" and part in ("attn_q", "attn_k", "attn_v"):
+                _add(writer, f"blk.{i}.{part}.bias", rand(shape[0], scale=0.5), "F32")
     _add(writer, "output_norm.weight", 1 + rand(HIDDEN), "F32")
     if not tied:
         _add(writer, "output.weight", rand(VOCAB, HIDDEN, scale=0.5), "Q4_1")
@@ -76,10 +78,12 @@ def write_gguf(path, arch: str = "llama", tied: bool = False, extra_type: str | 
     writer.close()
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+@pytest.fixture(scope="module", params=[("llama", False), ("llama", True), ("qwen2", True)],
+                ids=["llama-untied", "llama-tied", "qwen2-tied"])
 def gguf_file(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_gguf(path, tied=request.param)
+    arch, tied = request.param
+    path = tmp_path_factory.mktemp(f"gguf-{arch}") / "tiny.gguf"
+    write_gguf(path, arch=arch, tied=tied)
     return path
 
 
@@ -99,7 +103,9 @@ def _hf_greedy(path, prompts: list[list[int]], new_tokens: int) -> list[list[int
 
 def test_config_from_metadata(gguf_file):
     config = load_gguf_config(gguf_file)
-    assert config.architectures == ["LlamaForCausalLM"]
+    arch = gguf.GGUFReader(str(gguf_file)).fields["general.architecture"]
+    assert config.architectures == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[
+        bytes(arch.parts[arch.data[0]]).decode()]]
     assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (LAYERS, HIDDEN, FFN)
     assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (HEADS, KV_HEADS, VOCAB)
     assert config.eos_token_id == 2
