@@ -16,6 +16,11 @@ weights of all layers never coexist: peak memory ~ the quantized model plus one 
 (untouched `torch.empty` pages of the not-yet-loaded layers are never resident).
 Without one, CPU float32/bfloat16 layers are repacked the same way for oneDNN's GEMM
 (quantization/packed.py).
+
+A GGUF file's Q8_0/Q4_0/Q4_1 weights are dequantized into the serving dtype here (and
+requantized by a QuantizationConfig if one is given). `models.gguf.iter_gguf_tensors(...,
+keep_quantized=True)` yields them as `GGUFQuantizedTensor` blocks instead (rows already in HF
+order): the seam for a linear method that takes llama.cpp's blocks as they are.
 """
 
 from __future__ import annotations
