@@ -216,8 +216,8 @@ def run_real_models(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "workload.json")
         Path(path).write_text(json.dumps(workload))
-        for name in REAL_MODELS:
-            for variant in VARIANTS:
+        for name in args.real_model_names.split(","):
+            for variant in args.real_variants.split(","):
                 result = _spawn(f"point:{name}:{variant}", args, path)
                 rows.append({"model": name, "variant": variant, **result})
                 print(f"| {name} | {variant} | {result['output_tok_s']:.1f} | {result['decode_tok_s']:.1f} | "
@@ -271,6 +271,8 @@ def main() -> None:
     parser.add_argument("--real-models", action="store_true",
                         help="SmolLM2-135M-Instruct and bench-125m, fp32 / bf16 / int8: workload output "
                              "tok/s, batch-1 decode tok/s and prefill tok/s (medians of --runs)")
+    parser.add_argument("--real-model-names", default=",".join(REAL_MODELS), help="--real-models: which models")
+    parser.add_argument("--real-variants", default=",".join(VARIANTS), help="--real-models: which variants")
     parser.add_argument("--decode-tokens", type=int, default=128, help="--real-models: decode length")
     parser.add_argument("--prefill-tokens", type=int, default=512, help="--real-models: prefill length")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -284,7 +286,7 @@ def main() -> None:
 
     if args.real_models:
         if args.quick:
-            args.num_requests, args.runs, args.decode_tokens, args.prefill_tokens = 4, 1, 8, 64
+            args.num_requests, args.runs, args.decode_tokens, args.prefill_tokens = 2, 1, 8, 64
             args.kv_cache_bytes = 256 << 20
         print("| model | variant | workload output tok/s | batch-1 decode tok/s | "
               f"batch-1 {args.prefill_tokens}-token prefill tok/s | peak RSS MiB |\n|---|---|---|---|---|---|")
