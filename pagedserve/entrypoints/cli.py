@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return _SUBCOMMANDS[args.command][1](args)
-    except ValueError as exc:
-        # Configuration errors (sizes, dtype, model folder) read better without a traceback.
+    except (ValueError, FileNotFoundError) as exc:
+        # Configuration errors (sizes, dtype, a model not found) read better without a traceback.
         print(f"pagedserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
