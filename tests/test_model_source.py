@@ -124,3 +124,10 @@ def test_dtype_auto_follows_the_checkpoint(model_copy):
     _edit_json(model_copy / "config.json", dtype="float16")
     llm = LLM(str(model_copy), kv_cache_memory_bytes=2 << 20, device="cpu")
     assert llm.llm_engine.runner.dtype == torch.bfloat16
+
+
+def test_cli_names_where_a_missing_hub_model_was_looked_for(tmp_path, capsys):
+    from pagedserve.entrypoints.cli import main
+
+    assert main(["generate", "org/absent", "--download-dir", str(tmp_path), "--prompt", "x"]) == 2
+    assert str(tmp_path / "models--org--absent") in capsys.readouterr().err
