@@ -4,6 +4,7 @@
 setup:
 	@bash scripts/setup.sh
 
+# SmolLM2-135M-Instruct (the default model) as "smollm2-135m-instruct" on 127.0.0.1:8000.
 serve: setup
 	.venv/bin/pagedserve serve
 
@@ -17,7 +18,7 @@ test-all: setup
 	.venv/bin/python -m pytest -q -m ""
 
 lint: setup
-	.venv/bin/ruff check pagedserve tests benchmarks
+	.venv/bin/ruff check pagedserve tests benchmarks scripts
 
 bench: setup
 	.venv/bin/python benchmarks/throughput.py

@@ -2,6 +2,8 @@
 
     python benchmarks/throughput.py                 # full run (~20 min on 2 cores)
     python benchmarks/throughput.py --quick         # smoke run (tiny model, few requests)
+    python benchmarks/throughput.py --real-models   # SmolLM2-135M-Instruct beside the random 125M,
+                                                    # fp32 / bf16 / int8 (add --quick for a smoke run)
 
 Each system runs in its own subprocess (same workload file) so peak RSS is its own.
 pagedserve runs --runs times (median reported); the slower transformers baselines once.
@@ -149,9 +151,88 @@ def roofline_seconds(model: str, workload: list[dict], machine: dict) -> dict:
     return {"flops": flops, "kv_bytes": kv_bytes, "compute_s": compute_s, "memory_s": memory_s, "roofline_s": compute_s + memory_s}
 
 
+# --real-models: (name, how to find it) x (variant, LLM kwargs).
+REAL_MODELS = ("bench-125m", "smollm2")
+VARIANTS = {
+    "fp32": {"dtype": "float32"},
+    "bf16": {"dtype": "bfloat16"},
+    "int8": {"dtype": "float32", "quantization": "int8"},
+}
+
+
+def _real_model_path(name: str) -> str:
+    from pagedserve.demo_models import get_model_path
+    from pagedserve.models.hub import default_model_path
+
+    return str(default_model_path() if name == "smollm2" else get_model_path(name))
+
+
+def _timed(llm, prompt: list[int], max_tokens: int, runs: int) -> float:
+    """Median seconds of one greedy request (prefix caching is off, so every run prefills)."""
+    from pagedserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def run_point(name: str, variant: str, workload: list[dict], args: argparse.Namespace) -> dict:
+    """One (model, variant): batch throughput on the workload, then batch-1 decode and prefill."""
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(_real_model_path(name), kv_cache_memory_bytes=args.kv_cache_bytes, max_model_len=2048,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=False, **VARIANTS[variant])
+    _timed(llm, [11, 12, 13], 4, 1)  # warm-up (kernels, allocator)
+    prompts = [{"prompt_token_ids": r["prompt"]} for r in workload]
+    params = [SamplingParams(temperature=0, max_tokens=r["output_len"], ignore_eos=True) for r in workload]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    # Single stream: decode tok/s = extra tokens / extra time over a 1-token request.
+    short = list(range(100, 116))
+    one = _timed(llm, short, 1, args.runs)
+    many = _timed(llm, short, args.decode_tokens + 1, args.runs)
+    prefill = _timed(llm, [100 + i % 1000 for i in range(args.prefill_tokens)], 1, args.runs)
+    return {
+        "output_tok_s": sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed,
+        "decode_tok_s": args.decode_tokens / max(many - one, 1e-9),
+        "prefill_tok_s": args.prefill_tokens / prefill,
+        "peak_rss_mib": _peak_rss_mib(),
+    }
+
+
+def run_real_models(args: argparse.Namespace) -> list[dict]:
+    """Every (model, variant) in its own subprocess, on one seeded workload (ids < both vocabs)."""
+    from pagedserve.bench.workloads import synthetic
+
+    requests = synthetic("sharegpt", args.num_requests, 32000, seed=0, max_total_len=2048)
+    cap = 16 if args.quick else None  # a smoke run only proves the path works
+    workload = [{"prompt": r.prompt_token_ids, "output_len": min(r.output_len, cap or r.output_len)}
+                for r in requests]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "workload.json")
+        Path(path).write_text(json.dumps(workload))
+        for name in args.real_model_names.split(","):
+            for variant in args.real_variants.split(","):
+                result = _spawn(f"point:{name}:{variant}", args, path)
+                rows.append({"model": name, "variant": variant, **result})
+                print(f"| {name} | {variant} | {result['output_tok_s']:.1f} | {result['decode_tok_s']:.1f} | "
+                      f"{result['prefill_tok_s']:.1f} | {result['peak_rss_mib']:.0f} |", flush=True)
+    return rows
+
+
 def _worker(args: argparse.Namespace) -> None:
     workload = json.loads(Path(args.workload).read_text())
-    if args.worker == "ours":
+    if args.worker.startswith("point:"):
+        _, name, variant = args.worker.split(":")
+        result = run_point(name, variant, workload, args)
+    elif args.worker == "ours":
         result = run_ours(args.model, workload, args)
     elif args.worker == "machine":
         result = measure_machine()
@@ -162,9 +243,11 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _spawn(worker: str, args: argparse.Namespace, workload_file: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", worker, "--workload", workload_file, "--model", args.model,
+    cmd = [sys.executable, __file__, "--worker", worker, "--workload", workload_file, "--model", args.model or "",
            "--kv-cache-bytes", str(args.kv_cache_bytes), "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", str(args.block_size)]
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
+           "--runs", str(args.runs), "--decode-tokens", str(args.decode_tokens),
+           "--prefill-tokens", str(args.prefill_tokens)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -187,6 +270,13 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--quick", action="store_true", help="tiny model and workload (smoke test)")
     parser.add_argument("--result-json", default=None)
+    parser.add_argument("--real-models", action="store_true",
+                        help="SmolLM2-135M-Instruct and bench-125m, fp32 / bf16 / int8: workload output "
+                             "tok/s, batch-1 decode tok/s and prefill tok/s (medians of --runs)")
+    parser.add_argument("--real-model-names", default=",".join(REAL_MODELS), help="--real-models: which models")
+    parser.add_argument("--real-variants", default=",".join(VARIANTS), help="--real-models: which variants")
+    parser.add_argument("--decode-tokens", type=int, default=128, help="--real-models: decode length")
+    parser.add_argument("--prefill-tokens", type=int, default=512, help="--real-models: prefill length")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workload", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -196,6 +286,16 @@ def main() -> None:
     from pagedserve.bench.workloads import synthetic
     from pagedserve.demo_models import get_model_path
 
+    if args.real_models:
+        if args.quick:
+            args.num_requests, args.runs, args.decode_tokens, args.prefill_tokens = 2, 1, 8, 64
+            args.kv_cache_bytes = 256 << 20
+        print("| model | variant | workload output tok/s | batch-1 decode tok/s | "
+              f"batch-1 {args.prefill_tokens}-token prefill tok/s | peak RSS MiB |\n|---|---|---|---|---|---|")
+        rows = run_real_models(args)
+        if args.result_json:
+            Path(args.result_json).write_text(json.dumps(rows, indent=2))
+        return
     if args.quick:
         args.model = args.model or str(get_model_path("llama-gqa"))
         args.num_requests, args.runs, args.hf_single, args.hf_static_requests = 8, 1, 1, 4

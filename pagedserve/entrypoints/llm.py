@@ -22,7 +22,9 @@ class LLM:
     """Generates text for batches of prompts with continuous batching over a paged KV cache.
 
     Args:
-        model: a Hugging Face folder (config.json, *.safetensors, tokenizer files).
+        model: a Hugging Face folder (config.json, *.safetensors, tokenizer files), a .gguf
+            file (config, tokenizer and chat template from its metadata; weights dequantized
+            at load), or a hub id ("org/name") found in the local Hugging Face cache.
         **kwargs: any engine setting by its vLLM name (`dtype`, `seed`, `block_size`,
             `kv_cache_memory_bytes`, `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`,
             `enable_chunked_prefill`, `enable_prefix_caching`, `preemption_mode`, `swap_space`
@@ -49,8 +51,9 @@ class LLM:
         self.llm_engine.set_tokenizer(tokenizer)
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """The parameters a request gets when it gives none."""
-        return SamplingParams()
+        """What `generate`/`chat` use when given none: vLLM's defaults, overridden by the
+        model's generation_config.json (unless generation_config="vllm")."""
+        return self.llm_engine.default_sampling_params()
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (False, and nothing done, while requests are running)."""
@@ -176,7 +179,7 @@ class LLM:
     def _add_all(
         self,
         prompts: list[PromptInput],
-        params: list[SamplingParams],
+        params: list[SamplingParams | None],
         loras: list[LoRARequest | None],
         priorities: list[int] | None = None,
     ) -> list[str]:
@@ -241,9 +244,9 @@ def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt
 
 def _broadcast_params(
     params: SamplingParams | Sequence[SamplingParams] | None, n: int
-) -> list[SamplingParams]:
+) -> list[SamplingParams | None]:
     if params is None:
-        return [SamplingParams() for _ in range(n)]
+        return [None] * n  # the engine's defaults (generation_config.json)
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

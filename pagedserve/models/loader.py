@@ -1,8 +1,9 @@
-"""Build a model from a Hugging Face folder and load its safetensors weights by name.
+"""Build a model from a Hugging Face folder or a GGUF file and load its weights by name.
 
     config.json                       -> AutoConfig -> registry (config.architectures[0])
     model.safetensors                 -> one file, or
     model.safetensors.index.json      -> {"weight_map": {tensor name: shard file}}
+    model.gguf                        -> config, names and dequantized tensors (models/gguf.py)
 
 Weights go through each parameter's `weight_loader`, so fused projections are filled
 shard by shard via the model's `stacked_params_mapping`; afterwards every parameter (and
@@ -15,6 +16,11 @@ weights of all layers never coexist: peak memory ~ the quantized model plus one 
 (untouched `torch.empty` pages of the not-yet-loaded layers are never resident).
 Without one, CPU float32/bfloat16 layers are repacked the same way for oneDNN's GEMM
 (quantization/packed.py).
+
+A GGUF file's Q8_0/Q4_0/Q4_1 weights are dequantized into the serving dtype here (and
+requantized by a QuantizationConfig if one is given). `models.gguf.iter_gguf_tensors(...,
+keep_quantized=True)` yields them as `GGUFQuantizedTensor` blocks instead (rows already in HF
+order): the seam for a linear method that takes llama.cpp's blocks as they are.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from pagedserve import envs
+from pagedserve.models.gguf import gguf_weight_types, iter_gguf_tensors, load_gguf_config
+from pagedserve.models.hub import is_gguf
 from pagedserve.models.layers.embedding import LMHead
 from pagedserve.models.layers.linear import LinearBase, default_weight_loader
 from pagedserve.models.registry import get_model_class
@@ -68,8 +76,7 @@ def load_model(
             f"unsupported dtype {dtype}; supported: {', '.join(map(str, SUPPORTED_DTYPES))}"
         )
     path = Path(model_path)
-    config = AutoConfig.from_pretrained(path)
-    _check_not_quantized(config)
+    config = load_hf_config(path)
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
         raise ValueError(f"{path / 'config.json'} names no 'architectures'")
@@ -79,9 +86,36 @@ def load_model(
         if quantization is not None:
             attach_quant_methods(model, quantization, torch.device(device))
         attach_packed_methods(model, torch.device(device))
-    load_weights(model, iter_checkpoint(path))
+    if is_gguf(path):
+        load_weights(model, iter_gguf_tensors(path, config, dtype))
+    else:
+        load_weights(model, iter_checkpoint(path))
     logger.info("weights: %.1f MiB resident (%s)", weight_bytes(model) / 2**20, _describe(model))
     return model.eval(), config
+
+
+def load_hf_config(path: str | Path) -> PretrainedConfig:
+    """The model's config: config.json of a folder, or the metadata of a .gguf file."""
+    if is_gguf(path):
+        return load_gguf_config(path)
+    config = AutoConfig.from_pretrained(path)
+    _check_not_quantized(config)
+    return config
+
+
+def checkpoint_dtype(path: str | Path, config: PretrainedConfig) -> torch.dtype | None:
+    """The dtype the weights are stored in: config.json's `dtype`/`torch_dtype` for a folder;
+    for a GGUF file float32 if every matrix is F32, float16/bfloat16 if all are, and None
+    when they are quantized (dequantized at load, so any float dtype is as exact)."""
+    if is_gguf(path):
+        types = gguf_weight_types(path)
+        by_type = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+        dtypes = {by_type.get(t) for t in types}
+        return dtypes.pop() if len(dtypes) == 1 else None
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return stored if isinstance(stored, torch.dtype) else None
 
 
 def attach_quant_methods(

@@ -60,6 +60,7 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
         chat_template=load_chat_template(args.chat_template),
         max_queue_len=args.max_queue_len,
         loras=loras,
+        sampling_defaults=dict(engine.source.sampling_defaults),
     )
 
 

@@ -106,16 +106,28 @@ class SamplingRequest(StrictRequest):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """One engine request's parameters (n=1: the server fans out); raises ValueError."""
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
+        """One engine request's parameters (n=1: the server fans out); raises ValueError.
+
+        `defaults` (the model's generation_config.json) fill the sampling fields the request
+        leaves out, before vLLM's own defaults.
+        """
+        defaults = defaults or {}
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,

@@ -76,7 +76,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     prompt_ids = await render_chat(ctx, body.messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = make_params(body, max_tokens, logprobs)
+    params = make_params(body, max_tokens, logprobs, ctx.sampling_defaults)
     check_context_length(ctx, len(prompt_ids), max_tokens, "messages")
     prompt = {"prompt_token_ids": prompt_ids}
     group = await submit(ctx, body, [(prompt, p) for p in fan_out(params, body.n)], arrival, ctx.lora_for(model))

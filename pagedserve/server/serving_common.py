@@ -52,6 +52,8 @@ class ServerContext:
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenize")
     )
     _prompt_char_limit: int | None = field(default=None, init=False, repr=False)
+    # The model's generation_config.json sampling fields: what a request that omits them gets.
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     def resolve_model(self, model: str | None) -> str:
         """The served name to echo back (the base model's or an adapter's); 404 if unknown."""
@@ -124,9 +126,11 @@ def check_context_length(ctx: ServerContext, num_prompt_tokens: int, max_tokens:
     )
 
 
-def make_params(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def make_params(
+    body: Any, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None
+) -> SamplingParams:
     try:
-        return body.sampling_params(max_tokens, logprobs)
+        return body.sampling_params(max_tokens, logprobs, defaults)
     except ValueError as exc:
         raise bad_request(exc, set(type(body).model_fields)) from None
 

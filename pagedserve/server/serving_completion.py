@@ -58,7 +58,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_req
     if len(prompts) * num_samples > MAX_ENGINE_REQUESTS:
         raise APIError(400, f"n: prompts x samples must be <= {MAX_ENGINE_REQUESTS}", "n")
     internal_logprobs = body.logprobs if body.logprobs is not None else (0 if num_samples > body.n else None)
-    params = make_params(body, body.max_tokens, internal_logprobs)
+    params = make_params(body, body.max_tokens, internal_logprobs, ctx.sampling_defaults)
     for _, ids in prompts:
         check_context_length(ctx, len(ids), body.max_tokens, "prompt")
     requests: list[tuple[PromptInput, SamplingParams]] = [

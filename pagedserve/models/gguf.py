@@ -1,0 +1,204 @@
+"""GGUF checkpoints (llama.cpp's single-file format): config, tokenizer and weights.
+
+Parsing and dequantizing are the `gguf` package's; the metadata -> config mapping, the
+GGUF -> Hugging Face tensor names and the Llama q/k row order are transformers' GGUF
+utilities (`modeling_gguf_pytorch_utils`), the same code `from_pretrained(gguf_file=...)`
+runs, so our weights are the ones transformers' reference model gets.
+
+    metadata  llama.block_count, llama.rope.freq_base, ...  -> LlamaConfig (+ architectures)
+              tokenizer.ggml.*, tokenizer.chat_template      -> a fast tokenizer
+    tensors   blk.N.attn_q.weight (Q4_1 blocks) -> model.layers.N.self_attn.q_proj.weight
+
+Weights are yielded one at a time as `(hf_name, tensor)` for the loader's `load_weights`,
+dequantized to the serving dtype. With `keep_quantized=True`, Q8_0/Q4_0/Q4_1 weights come
+as `GGUFQuantizedTensor` (the raw llama.cpp blocks, rows already in HF order) instead: the
+seam for linear methods that take those blocks as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PretrainedConfig
+
+# GGUF `general.architecture` -> the HF class our registry serves.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+SUPPORTED_TENSOR_TYPES = FLOAT_TYPES + QUANTIZED_TYPES
+
+
+@dataclass(frozen=True)
+class GGUFQuantizedTensor:
+    """One weight in llama.cpp's block layout, as stored in the file.
+
+    Each row of `blocks` is the row of the (out, in) weight: in // 32 blocks of 32 weights,
+    Q8_0 = fp16 scale + 32 int8; Q4_0 = fp16 scale + 16 bytes of nibbles (w = s * (q - 8));
+    Q4_1 = fp16 scale + fp16 min + 16 bytes of nibbles (w = s * q + m).
+    """
+
+    qtype: str  # "Q8_0" | "Q4_0" | "Q4_1"
+    shape: tuple[int, int]  # (out_features, in_features), the HF weight's shape
+    blocks: torch.Tensor  # uint8 (out_features, bytes per row)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 (out_features, in_features)."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        data = dequantize(self.blocks.numpy(), GGMLQuantizationType[self.qtype])
+        return torch.from_numpy(np.require(data, requirements=["C", "W"])).reshape(self.shape)
+
+
+def _reader(path: Path) -> Any:
+    # Parsing the metadata (a 49k-token vocabulary is ~100k fields) takes seconds: once per file.
+    return _cached_reader(str(path), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int) -> Any:
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is "not a GGUF file" to the user
+        raise ValueError(f"{path}: not a readable GGUF file: {exc}") from exc
+
+
+def _architecture(reader: Any, path: Path) -> str:
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise ValueError(f"{path}: GGUF metadata has no general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode()
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
+        )
+    return arch
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(path: str, mtime_ns: int) -> dict[str, Any]:
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    _architecture(_reader(Path(path)), Path(path))
+    return load_gguf_checkpoint(path, return_tensors=False)
+
+
+def _metadata(path: Path) -> dict[str, Any]:
+    return _parsed(str(path), path.stat().st_mtime_ns)
+
+
+def load_gguf_config(path: str | Path) -> PretrainedConfig:
+    """The HF config the GGUF metadata describes (dims, rope, norm eps, vocab, tied
+    embeddings, special token ids), with `architectures` set for our registry.
+
+    Raises:
+        ValueError: not a GGUF file, or an architecture we do not serve (named).
+    """
+    from transformers import AutoConfig
+
+    path = Path(path)
+    values = dict(_metadata(path)["config"])
+    values.pop("_model_name_or_path", None)
+    model_type = values.pop("model_type")
+    config = AutoConfig.for_model(model_type, **values)
+    config.architectures = [ARCHITECTURES[model_type]]
+    return config
+
+
+def load_gguf_tokenizer(path: str | Path) -> Any:
+    """The fast tokenizer (vocabulary, merges, special tokens, chat template) in the metadata."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def gguf_weight_types(path: str | Path) -> set[str]:
+    """The tensor types of the file's matrices (2-D tensors), e.g. {"Q4_1", "Q8_0"}."""
+    reader = _reader(Path(path))
+    return {t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2}
+
+
+def iter_gguf_tensors(
+    path: str | Path,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    keep_quantized: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | GGUFQuantizedTensor]]:
+    """(HF name, tensor) for every weight of the file, dequantized into `dtype`.
+
+    With `keep_quantized`, Q8_0/Q4_0/Q4_1 matrices come as `GGUFQuantizedTensor` instead.
+
+    Raises:
+        ValueError: a tensor type outside SUPPORTED_TENSOR_TYPES (named with the tensor), or
+            an architecture we do not serve.
+    """
+    from gguf import dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    path = Path(path)
+    reader = _reader(path)
+    arch = _architecture(reader, path)
+    _check_tensor_types(reader, path)
+    metadata = _metadata(path)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=metadata["config"])
+    names = _gguf_to_hf_names(arch, config)
+    for tensor in reader.tensors:
+        qtype = tensor.tensor_type.name
+        raw = qtype in QUANTIZED_TYPES and keep_quantized
+        data = tensor.data if raw else dequantize(tensor.data, tensor.tensor_type)
+        # Llama's q/k rows were permuted by llama.cpp's converter; the processor undoes it.
+        # Rows are whole blocks, so the same row permutation applies to raw blocks.
+        result = processor.process(weights=data, name=tensor.name, tensor_key_mapping=names,
+                                   parsed_parameters=metadata)
+        hf_name = names.get(result.name)
+        if hf_name is None:
+            continue  # e.g. rope_freqs: derived at run time from the config
+        weights = torch.from_numpy(np.require(result.weights, requirements=["C", "W"]))
+        if raw:
+            shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists dims innermost first
+            yield hf_name, GGUFQuantizedTensor(qtype, shape, weights)
+        else:
+            yield hf_name, weights.to(dtype)
+
+
+def _check_tensor_types(reader: Any, path: Path) -> None:
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+            raise ValueError(
+                f"{path}: tensor {tensor.name!r} has GGUF type {tensor.tensor_type.name}, which "
+                f"is not supported; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+            )
+
+
+def _gguf_to_hf_names(arch: str, config: PretrainedConfig) -> dict[str, str]:
+    """GGUF tensor name -> HF parameter name of the transformers model (on the meta device).
+
+    This is transformers' `get_gguf_hf_weights_map` minus its recursion into every submodule,
+    which rebuilds gguf's name table per module (seconds for a 30-layer model); the HF
+    names of a causal LM are all reachable from the root.
+    """
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(config)
+    gguf_arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == arch)
+    table = get_tensor_name_map(gguf_arch, config.num_hidden_layers)
+    names = {}
+    for hf_name in reference.state_dict():
+        stem, _, suffix = hf_name.rpartition(".")
+        gguf_name = table.get_name(stem)
+        if gguf_name is not None:
+            names[f"{gguf_name}.{suffix}"] = hf_name
+    return names
