@@ -46,8 +46,8 @@ def test_overloaded_preferred_replica_falls_back() -> None:
     r.started(preferred, 1)
     route = r.route(prompt)
     assert route.replica == other and route.reason == "balance"
-    r.started(other, 3)  # 4 vs 3: no longer overloaded relative to the least loaded
-    assert r.route(prompt).replica == preferred
+    # The fallback cached the prefix on the other replica too: it is followed there now.
+    assert r.route(prompt) == route.__class__(other, "prefix")
 
 
 def test_down_replica_moves_only_its_own_keys() -> None:
@@ -58,13 +58,17 @@ def test_down_replica_moves_only_its_own_keys() -> None:
     after = [r.route(p).replica for p in prompts]
     for b, a in zip(before, after, strict=True):
         assert a != 2 and (b == 2 or a == b)
-    assert r.route(prompts[0], exclude=frozenset({after[0]})).replica != after[0]
+    fresh = [99] * (2 * BLOCK)
+    home = r.route(fresh).replica
+    assert r.route(fresh, exclude=frozenset({home})).replica != home
     r.mark_up(2)
-    assert [r.route(p).replica for p in prompts] == before
+    # The moved chains stay where their blocks are cached now; new prefixes use replica 2 again.
+    assert [r.route(p).replica for p in prompts] == after
+    assert 2 in {r.route([i] * (2 * BLOCK)).replica for i in range(100, 140)}
     for i in range(4):
         r.mark_down(i)
     with pytest.raises(RuntimeError, match="no replica"):
-        r.route(prompts[0])
+        r.route(fresh)
 
 
 def test_config_is_checked() -> None:
@@ -72,3 +76,23 @@ def test_config_is_checked() -> None:
         RouterConfig(block_size=0)
     with pytest.raises(ValueError):
         ReplicaRouter(0)
+
+
+def test_affinity_off_balances_everything() -> None:
+    r = ReplicaRouter(2, RouterConfig(block_size=BLOCK, affinity=False), seed=0)
+    assert {r.route([3] * (4 * BLOCK)).reason for _ in range(5)} == {"balance"}
+
+
+def test_a_growing_chat_stays_on_its_replica() -> None:
+    """Each turn extends the last one's prompt past the hashed head; the deepest known block wins."""
+    r = ReplicaRouter(4, RouterConfig(block_size=BLOCK, affinity_blocks=64), seed=0)
+    chats = [[c] * (BLOCK + 1) for c in range(12)]
+    first = [r.route(chat).replica for chat in chats]
+    for turn in range(6):
+        for c, chat in enumerate(chats):
+            chat += [turn + 50] * (BLOCK + 3)
+            assert r.route(chat).replica == first[c]
+    # Chats sharing a system prompt go where it is cached while that replica is not overloaded.
+    system = [9] * (3 * BLOCK)
+    owner = r.route(system).replica
+    assert r.route(system + [1] * BLOCK).replica == owner

@@ -321,6 +321,10 @@ class ReplicaSetEngine:
         logger.info("replica %d is back", replica)
         self.router.mark_up(replica)
 
+    def configure_router(self, config: RouterConfig) -> None:
+        """New routing knobs from now on (in-flight counts and replica health carry over)."""
+        self.router.config = config
+
     # ---- tools and tests -------------------------------------------------------------------------
 
     def call_on_replicas(self, fn: Callable[[LLMEngine], Any]) -> list[Any]:

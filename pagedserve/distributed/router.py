@@ -1,16 +1,21 @@
 """Which replica serves a request: prefix affinity, adapter affinity, power-of-two-choices.
 
-    request ─► key ─► preferred replica (rendezvous hash of the key over the live replicas)
-                          │ overloaded? (in-flight > least loaded + abs and > rel x least loaded)
-                          ▼ yes
+    request ─► preferred replica ─┬─ adapter named: rendezvous hash of its name
+                                  └─ else the replica last sent the longest prefix of the
+                                     prompt's full blocks (chained block hashes, as the
+                                     prefix cache names them); no match: rendezvous hash
+                                     of the first block
+               overloaded? (in-flight > least loaded + abs and > rel x least loaded)
+               ▼ yes, or prompt shorter than one block
                least loaded of two random live replicas
 
-The key is the LoRA adapter's name when the request names one (its weights then stay
-resident on one replica, and the prefix cache is rooted in the adapter anyway), else a hash
-of the prompt's first `affinity_blocks` full KV blocks: requests that share a system prompt,
-or a chat's earlier turns, land where those blocks are cached. Prompts shorter than one block
-have no key and are balanced. Load is what this router has in flight per replica: known
-without asking the replicas, exact for a single ingress.
+Remembering where each block chain went (an LRU map, SGLang's cache-aware router in the
+small) is what keeps a multi-turn chat on one replica: turn k+1's prompt extends turn k's,
+so its deepest known block is the one turn k left on that replica, while a fixed-length
+hash of the head would change as the chat grows past it. An adapter's requests all go to
+one replica, so its weights stay resident there (the prefix cache is rooted in the adapter
+anyway). Load is what this router has in flight per replica: known without asking the
+replicas, exact for a single ingress.
 
 Plain integers and lists; no Ray, so the policy is tested without a cluster.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
@@ -27,9 +33,14 @@ class RouterConfig:
     """Routing knobs (SGLang's cache-aware router uses the same absolute/relative pair)."""
 
     block_size: int = 16
-    affinity_blocks: int = 4
+    # Blocks of a prompt hashed and remembered (64 x 16 = the first 1024 tokens).
+    affinity_blocks: int = 64
+    # Block chains remembered (LRU); a forgotten chain routes by its first block's hash.
+    max_remembered_blocks: int = 200_000
     balance_abs_threshold: int = 8
     balance_rel_threshold: float = 1.5
+    # False: every request is balanced (the baseline the affinity is measured against).
+    affinity: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.affinity_blocks < 1:
@@ -60,6 +71,7 @@ class ReplicaRouter:
     in_flight: list[int] = field(init=False)
     up: list[bool] = field(init=False)
     _rng: random.Random = field(init=False)
+    _owner: OrderedDict[bytes, int] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -67,18 +79,21 @@ class ReplicaRouter:
         self.in_flight = [0] * self.num_replicas
         self.up = [True] * self.num_replicas
         self._rng = random.Random(self.seed)
+        self._owner = OrderedDict()
 
-    def affinity_key(self, prompt_token_ids: list[int] | None, adapter: str | None) -> tuple[str, bytes] | None:
-        """('adapter', name) or ('prefix', hash of the first full blocks), or None (no affinity)."""
-        if adapter is not None:
-            return "adapter", adapter.encode()
+    def block_hashes(self, prompt_token_ids: list[int] | None) -> list[bytes]:
+        """Chained hashes of the prompt's first full blocks (each names its whole prefix)."""
         if not prompt_token_ids:
-            return None
-        num_blocks = min(len(prompt_token_ids) // self.config.block_size, self.config.affinity_blocks)
-        if num_blocks == 0:
-            return None
-        head = prompt_token_ids[: num_blocks * self.config.block_size]
-        return "prefix", hashlib.blake2b(",".join(map(str, head)).encode(), digest_size=16).digest()
+            return []
+        size = self.config.block_size
+        num_blocks = min(len(prompt_token_ids) // size, self.config.affinity_blocks)
+        hashes: list[bytes] = []
+        parent = b""
+        for i in range(num_blocks):
+            block = ",".join(map(str, prompt_token_ids[i * size:(i + 1) * size])).encode()
+            parent = hashlib.blake2b(parent + block, digest_size=16).digest()
+            hashes.append(parent)
+        return hashes
 
     def route(self, prompt_token_ids: list[int] | None, adapter: str | None = None,
               exclude: frozenset[int] = frozenset()) -> Route:
@@ -90,12 +105,32 @@ class ReplicaRouter:
         live = [i for i in range(self.num_replicas) if self.up[i] and i not in exclude]
         if not live:
             raise RuntimeError("no replica is available")
-        key = self.affinity_key(prompt_token_ids, adapter)
-        if key is not None:
-            preferred = max(live, key=lambda i: _rendezvous_score(key[1], i))
-            if not self._overloaded(preferred, live):
-                return Route(preferred, key[0])
-        return Route(self._two_choices(live), "balance")
+        hashes = self.block_hashes(prompt_token_ids) if self.config.affinity else []
+        preferred: Route | None = None
+        if adapter is not None and self.config.affinity:
+            preferred = Route(_rendezvous(adapter.encode(), live), "adapter")
+        elif hashes:
+            preferred = Route(self._deepest_owner(hashes, live), "prefix")
+        if preferred is not None and not self._overloaded(preferred.replica, live):
+            route = preferred
+        else:
+            route = Route(self._two_choices(live), "balance")
+        self._remember(hashes, route.replica)
+        return route
+
+    def _deepest_owner(self, hashes: list[bytes], live: list[int]) -> int:
+        for block_hash in reversed(hashes):
+            owner = self._owner.get(block_hash)
+            if owner is not None and owner in live:
+                return owner
+        return _rendezvous(hashes[0], live)
+
+    def _remember(self, hashes: list[bytes], replica: int) -> None:
+        for block_hash in hashes:
+            self._owner[block_hash] = replica
+            self._owner.move_to_end(block_hash)
+        while len(self._owner) > self.config.max_remembered_blocks:
+            self._owner.popitem(last=False)
 
     def _overloaded(self, replica: int, live: list[int]) -> bool:
         least = min(self.in_flight[i] for i in live)
@@ -120,8 +155,11 @@ class ReplicaRouter:
         self.up[replica] = True
 
 
-def _rendezvous_score(key: bytes, replica: int) -> int:
+def _rendezvous(key: bytes, live: list[int]) -> int:
     # Highest-random-weight hashing: a key keeps its replica while that replica is up, and only
     # the keys of a replica that is down move (to their second choice).
-    digest = hashlib.blake2b(key + replica.to_bytes(4, "little"), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    def score(replica: int) -> int:
+        digest = hashlib.blake2b(key + replica.to_bytes(4, "little"), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+    return max(live, key=score)
