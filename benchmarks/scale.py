@@ -92,6 +92,7 @@ async def chat_hit_rate(engine: Any, args: argparse.Namespace, stats: Any) -> fl
     """Prefix-cache hits / lookups over multi-turn conversations, run concurrently."""
     rng = random.Random(4)
     params = SamplingParams(temperature=0, max_tokens=args.reply_len, ignore_eos=True)
+    await asyncio.sleep(1.2)  # the replica set's statistics are polled twice a second
     before = stats()
 
     async def conversation(c: int) -> None:

@@ -19,6 +19,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
 REPLICA_ARGS = ["--data-parallel-size", "2", "--distributed-executor-backend", "ray"]
+VICTIM_PREFIX = list(range(300, 340))
 PROMPTS = [list(range(3, 40)), [5, 9, 13, 2, 8], list(range(100, 180, 3)), [42] * 20]
 
 
@@ -35,7 +36,7 @@ def server() -> Iterator[LiveServer]:
 @pytest.fixture
 def client(server: LiveServer) -> Iterator[openai.OpenAI]:
     yield openai.OpenAI(base_url=server.v1, api_key="EMPTY", max_retries=0)
-    # Every replica's engine: all KV blocks free, every reference count zero.
+    # Every live replica's engine: all KV blocks free, every reference count zero.
     server.ctx.engine.check_no_leaks()
 
 
@@ -100,7 +101,7 @@ def test_killed_replica_fails_its_stream_cleanly_and_others_serve_on(
     server: LiveServer, client: openai.OpenAI
 ) -> None:
     before = routed(server)
-    stream = client.completions.create(model=TEST_MODEL, prompt=list(range(300, 340)), max_tokens=1500,
+    stream = client.completions.create(model=TEST_MODEL, prompt=VICTIM_PREFIX, max_tokens=1500,
                                        temperature=0, stream=True, extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)  # the replica has streamed: this request cannot be retried elsewhere
@@ -121,3 +122,22 @@ def test_killed_replica_fails_its_stream_cleanly_and_others_serve_on(
     while replica_series(server, "pagedserve:replica_up")[victim] != 1.0:
         assert time.monotonic() < deadline, "the killed replica was not restarted"
         time.sleep(0.5)
+
+
+def test_request_to_a_dead_replica_is_retried_before_any_output(
+    server: LiveServer, client: openai.OpenAI
+) -> None:
+    """Last test: a replica killed for good; a request routed to it before the ingress notices
+    (its prefix is cached there) goes to the other replica and succeeds."""
+    owner = routed(server)
+    client.completions.create(model=TEST_MODEL, prompt=VICTIM_PREFIX, max_tokens=1, temperature=0)
+    grew = routed(server)
+    (home,) = [r for r in grew if grew[r] > owner.get(r, 0.0)]
+    retries_before = replica_series(server, "pagedserve:replica_retried_requests_total").get(home, 0.0)
+    ray.kill(ray.get_actor(f"pagedserve-replica-{home}", namespace="pagedserve"), no_restart=True)
+    out = client.completions.create(model=TEST_MODEL, prompt=VICTIM_PREFIX + [7], max_tokens=3, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    retries = replica_series(server, "pagedserve:replica_retried_requests_total").get(home, 0.0)
+    if retries == retries_before:
+        pytest.skip("the statistics poll saw the replica die before the request was routed")
+    assert retries == retries_before + 1

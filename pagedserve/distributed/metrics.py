@@ -36,12 +36,20 @@ class ReplicaMetrics:
                               ["replica", "reason"], registry=self.registry)
         self.failures = Counter("pagedserve:replica_failures", "Times the replica was found dead.",
                                 label, registry=self.registry)
+        self.retries = Counter("pagedserve:replica_retried_requests", "Groups re-sent elsewhere because "
+                               "the replica failed before any output reached the client.",
+                               label, registry=self.registry)
         for i in range(num_replicas):
             self.failures.labels(replica=str(i))
+            self.retries.labels(replica=str(i))
             self.up.labels(replica=str(i)).set(1)
 
     def routed_to(self, replica: int, reason: str) -> None:
         self.routed.labels(replica=str(replica), reason=reason).inc()
+
+    def retried(self, replica: int) -> None:
+        """A group left `replica` (it failed) for another one."""
+        self.retries.labels(replica=str(replica)).inc()
 
     def failed(self, replica: int) -> None:
         self.failures.labels(replica=str(replica)).inc()

@@ -214,6 +214,7 @@ class ReplicaSetEngine:
             except ray.exceptions.RayError as exc:
                 self.router.finished(replica, len(flight.requests))
                 self._replica_failed(replica, exc)
+                self.metrics.retried(replica)
                 exclude = exclude | {replica}
                 continue
             if kind != "added":
@@ -244,6 +245,7 @@ class ReplicaSetEngine:
                     self._replica_failed(failed, exc)
                     if flight.streamed:
                         raise EngineDeadError(f"replica {failed} died while serving this request") from None
+                    self.metrics.retried(failed)
                     stream = await self._submit(group_id, flight, frozenset({failed}))
         except asyncio.CancelledError:
             raise
@@ -332,8 +334,14 @@ class ReplicaSetEngine:
         return self._ray.get([r.call.remote(fn) for r in self.replicas])
 
     def check_no_leaks(self) -> None:
-        """Every replica's leak check (AssertionError names nothing leaked twice: Ray re-raises it)."""
-        self._ray.get([r.check_no_leaks.remote() for r in self.replicas])
+        """Every live replica's leak check (a leak raises, via Ray, the replica's AssertionError);
+        a replica killed for good holds no KV cache and is skipped."""
+        ray = self._ray
+        for ref in [r.check_no_leaks.remote() for r in self.replicas]:
+            try:
+                ray.get(ref)
+            except ray.exceptions.ActorDiedError:
+                continue
 
 
 class _BroadcastLoRA:
