@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server_fixtures import SERVE_ARGS, TEST_MODEL, LiveServer, running_server
+from lora_utils import make_peft_adapter, peft_greedy
+from server_fixtures import SERVE_ARGS, TEST_MODEL, LiveServer, running_server
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -24,10 +25,17 @@ PROMPTS = [list(range(3, 40)), [5, 9, 13, 2, 8], list(range(100, 180, 3)), [42] 
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
+def adapter(model_path, tmp_path_factory) -> str:
+    return make_peft_adapter(model_path(TEST_MODEL), tmp_path_factory.mktemp("lora"), 8, ["q_proj", "v_proj"],
+                             seed=1)
+
+
+@pytest.fixture(scope="module")
+def server(adapter: str) -> Iterator[LiveServer]:
     ray.init(num_cpus=2, include_dashboard=False, namespace="pagedserve", log_to_driver=False)
+    lora = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"sql={adapter}"]
     try:
-        with running_server([TEST_MODEL, *SERVE_ARGS, *REPLICA_ARGS]) as live:
+        with running_server([TEST_MODEL, *SERVE_ARGS, *REPLICA_ARGS, *lora]) as live:
             yield live
     finally:
         ray.shutdown()
@@ -89,6 +97,19 @@ def test_same_prefix_lands_on_the_same_replica(server: LiveServer, client: opena
     time.sleep(0.7)  # the ingress polls replicas' statistics twice a second
     hits = replica_series(server, "pagedserve:replica_prefix_cache_hits")
     assert hits[replica] - hits_before.get(replica, 0.0) >= 4 * 64  # requests 2..5 reused the prefix
+
+
+def test_adapter_requests_go_where_the_adapter_is_and_equal_peft(
+    server: LiveServer, client: openai.OpenAI, adapter: str
+) -> None:
+    before = replica_series(server, "pagedserve:replica_routed_requests_total", reason="adapter")
+    outs = [client.completions.create(model="sql", prompt=prompt, max_tokens=6, temperature=0,
+                                      extra_body={"return_token_ids": True})
+            for prompt in PROMPTS[:3]]
+    after = replica_series(server, "pagedserve:replica_routed_requests_total", reason="adapter")
+    grew = {r: after[r] - before.get(r, 0.0) for r in after if after[r] > before.get(r, 0.0)}
+    assert list(grew.values()) == [3.0], f"one replica should take every request for the adapter: {grew}"
+    assert outs[0].choices[0].token_ids == peft_greedy(server.model_path, adapter, PROMPTS[0], 6)
 
 
 def test_invalid_request_is_a_400_naming_the_field(server: LiveServer, client: openai.OpenAI) -> None:

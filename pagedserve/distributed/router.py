@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -90,7 +91,7 @@ class ReplicaRouter:
         hashes: list[bytes] = []
         parent = b""
         for i in range(num_blocks):
-            block = ",".join(map(str, prompt_token_ids[i * size:(i + 1) * size])).encode()
+            block = array("q", prompt_token_ids[i * size:(i + 1) * size]).tobytes()
             parent = hashlib.blake2b(parent + block, digest_size=16).digest()
             hashes.append(parent)
         return hashes
