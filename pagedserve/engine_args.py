@@ -202,6 +202,13 @@ class EngineArgs:
         "adapters' dtype in the KV pool (auto: the model's; bfloat16 halves their memory)",
         group="LoRA adapters", choices=("auto", "float32", "bfloat16")))
 
+    data_parallel_size: int = field(default=1, metadata=_setting(
+        "engine replicas behind one endpoint (each a full engine; needs "
+        "--distributed-executor-backend ray)", group="distributed", aliases=("-dp",)))
+    distributed_executor_backend: str | None = field(default=None, metadata=_setting(
+        "where replicas run: ray (a local Ray cluster, or the one RAY_ADDRESS names)",
+        group="distributed", choices=("ray",)))
+
     # vLLM settings with no effect in this engine: accepted so vLLM command lines and scripts
     # run unchanged (see docs/vllm_compatibility.md).
     trust_remote_code: bool = field(default=False, metadata=_setting(
@@ -277,6 +284,10 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.data_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size: one engine is one replica; {self.data_parallel_size} replicas are "
+                "served by `pagedserve serve --data-parallel-size N --distributed-executor-backend ray`")
         self._log_ignored()
         return EngineConfig(
             model=ModelConfig(

@@ -26,13 +26,16 @@ def test_every_cli_setting_round_trips_through_its_flag() -> None:
             "--max-cpu-loras", "9", "--lora-dtype", "bfloat16", "--skip-tokenizer-init",
             "--gpu-memory-utilization", "0.5", "--trust-remote-code", "--enforce-eager",
             "--load-format", "gguf", "--tokenizer-mode", "slow", "--disable-log-stats",
-            "--scheduling-policy", "priority"]
+            "--scheduling-policy", "priority",
+            "--data-parallel-size", "2", "--distributed-executor-backend", "ray"]
     args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
     defaults = EngineArgs()
     for name in cli_flag_names():
         assert getattr(args, name) != getattr(defaults, name), f"flag of {name} did not reach its field"
     assert args.kv_cache_memory_bytes == 3 << 20 and args.swap_space == 2.0
-    config = args.create_engine_config()
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        args.create_engine_config()  # replicas are the server's; one engine is one replica
+    config = args.replace(data_parallel_size=1).create_engine_config()
     assert isinstance(config, EngineConfig)
     assert config.cache.swap_space_bytes == 2 << 30 and config.cache.block_size == 32
     assert config.lora is not None and config.lora.max_cpu_loras == 9

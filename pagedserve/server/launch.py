@@ -40,8 +40,15 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
     names = args.served_model_name or [default_name]
     if getattr(args, "lora_modules", None) and not engine_args.enable_lora:
         raise SystemExit("--lora-modules needs --enable-lora")
-    engine = LLMEngine(engine_args.create_engine_config())
     metrics = ServerMetrics(names[0])
+    if engine_args.data_parallel_size > 1 or engine_args.distributed_executor_backend is not None:
+        from pagedserve.distributed.launch import build_replica_set
+
+        # N replicas on Ray: the same handlers, a router in place of the engine thread.
+        engine = serving_engine = build_replica_set(args, engine_args, metrics)
+    else:
+        engine = LLMEngine(engine_args.create_engine_config())
+        serving_engine = AsyncLLMEngine(engine, metrics, stall_timeout_s=args.stall_timeout)
     loras = LoRARegistry(
         lora_dirs=[Path(d) for d in getattr(args, "lora_dir", [])],
         runtime_updates=getattr(args, "enable_lora_runtime_updates", False),
@@ -52,7 +59,7 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
         except ValueError as exc:
             raise SystemExit(f"pagedserve: {exc}") from None
     return ServerContext(
-        engine=AsyncLLMEngine(engine, metrics, stall_timeout_s=args.stall_timeout),
+        engine=serving_engine,
         model_names=names,
         model_path=str(engine_args.model),
         metrics=metrics,
