@@ -29,7 +29,8 @@ from pagedserve.models.layers.attention import Attention
 from pagedserve.models.loader import load_model
 from pagedserve.quantization import QuantizationConfig
 from pagedserve.sample.input_builder import build_sampling_metadata
-from pagedserve.sample.sampler import Sampler
+from pagedserve.sample.sampler import Sampler, SamplerOutput, gather_logprobs
+from pagedserve.spec_decode.rejection_sampler import accepted_runs, rejection_sample
 from pagedserve.worker.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,10 @@ class ModelRunnerOutput:
     # Per scheduled request: first tokens (and logprobs) of its `fork_requests`, in order.
     fork_token_ids: list[list[int]] = field(default_factory=list)
     fork_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
+    # Speculative decoding, per scheduled request: the tokens after `sampled_token_ids`
+    # that its verified proposals gave, and their logprobs; empty lists otherwise.
+    extra_token_ids: list[list[int]] = field(default_factory=list)
+    extra_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -167,18 +172,52 @@ class ModelRunner:
         attn_metadata = self.backend.build_metadata(common)
         with lora_step(self._lora_segments(sched)):
             hidden = self.model(input_ids, positions, attn_metadata)
-        # One logits row per sampling request, then one per sibling it forks (same row).
-        row_requests = [r for item in sched.scheduled if item.sample for r in (item.request, *item.fork_requests)]
+        # One logits row per sampling request, then one per sibling it forks (same row);
+        # a request verifying k proposals has k + 1 rows (spec_decode/rejection_sampler.py).
+        row_requests = [
+            r for item in sched.scheduled if item.sample
+            for r in (item.request, *item.fork_requests, *[item.request] * len(item.spec_token_ids))
+        ]
         if not row_requests:
             nothing = [None] * len(sched.scheduled)
             return ModelRunnerOutput(nothing, list(nothing), [[] for _ in nothing], [[] for _ in nothing])
         logits = self.model.compute_logits(hidden[logits_indices])
         meta = build_sampling_metadata(row_requests, self.generators, self.vocab_size, self.device)
+        if any(item.spec_token_ids for item in sched.scheduled):
+            return self._verify(sched, logits, meta)
         sampled = self.sampler(logits, meta)
         return self._to_output(sched, sampled)
 
+    def forward_last_logits(self, sched: SchedulerOutput) -> torch.Tensor:
+        """(num_scheduled, vocab) logits at each scheduled request's last token (the
+        scheduled range may end in `spec_token_ids`). A draft model proposes with this."""
+        input_ids, positions, common, logits_indices = self._prepare_inputs(sched, last_only=True)
+        attn_metadata = self.backend.build_metadata(common)
+        hidden = self.model(input_ids, positions, attn_metadata)
+        return self.model.compute_logits(hidden[logits_indices])
+
+    def _verify(self, sched: SchedulerOutput, logits: torch.Tensor, meta) -> ModelRunnerOutput:
+        """Samples a step that verifies proposals: every row goes through the rejection
+        sampler; a row without a proposal (a plain decode, a bonus row) draws as usual."""
+        drafts: list[int] = []
+        has_draft: list[bool] = []
+        for item in sched.scheduled:
+            if item.sample:
+                drafts.extend([*item.spec_token_ids, 0] + [0] * len(item.fork_requests))
+                has_draft.extend([True] * len(item.spec_token_ids) + [False] * (1 + len(item.fork_requests)))
+        dist = self.sampler.target_distribution(logits, meta)
+        verified = rejection_sample(
+            dist.probs, dist.greedy_tokens,
+            torch.tensor(drafts, dtype=torch.int64, device=self.device), has_draft,
+            greedy_mask=meta.greedy_mask, generators=meta.generators,
+        )
+        sampled = SamplerOutput(token_ids=verified.token_ids)
+        if dist.raw_logprobs is not None:
+            gather_logprobs(dist.raw_logprobs, verified.token_ids, meta.max_num_logprobs or 0, sampled)
+        return self._to_output(sched, sampled, verified.accepted.tolist())
+
     def _prepare_inputs(
-        self, sched: SchedulerOutput
+        self, sched: SchedulerOutput, last_only: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata, torch.Tensor]:
         token_ids: list[int] = []
         positions: list[int] = []
@@ -187,12 +226,19 @@ class ModelRunner:
         logits_indices: list[int] = []
         for item in sched.scheduled:
             start, n = item.num_computed_tokens, item.num_new_tokens
-            token_ids.extend(item.request.token_ids_slice(start, start + n))
+            num_spec = len(item.spec_token_ids)
+            token_ids.extend(item.request.token_ids_slice(start, start + n - num_spec))
+            token_ids.extend(item.spec_token_ids)
             positions.extend(range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
-            if item.sample:
-                logits_indices.extend([len(token_ids) - 1] * (1 + len(item.fork_requests)))
+            last = len(token_ids) - 1
+            if last_only:
+                logits_indices.append(last)
+            elif item.sample:
+                # Siblings share the last row; each proposal adds the row before it.
+                logits_indices.extend([last - num_spec] * (1 + len(item.fork_requests)))
+                logits_indices.extend(range(last - num_spec + 1, last + 1))
         max_blocks = max(len(item.block_table) for item in sched.scheduled)
         block_tables = torch.tensor(
             [item.block_table + [0] * (max_blocks - len(item.block_table)) for item in sched.scheduled],
@@ -233,7 +279,9 @@ class ModelRunner:
         for src_cache, dst_cache in zip(src_caches, dst_caches, strict=True):
             dst_cache[:, dst] = src_cache[:, src].to(dst_cache.device, non_blocking=True)
 
-    def _to_output(self, sched: SchedulerOutput, sampled) -> ModelRunnerOutput:
+    def _to_output(
+        self, sched: SchedulerOutput, sampled, accepted: list[bool] | None = None
+    ) -> ModelRunnerOutput:
         # The step's only host sync: everything comes back as Python lists at once.
         token_ids = sampled.token_ids.tolist()
         lp = None
@@ -247,7 +295,7 @@ class ModelRunner:
             end = None if want == -1 else want + 1  # -1: the whole vocabulary
             return lp[0][row][:end], lp[1][row][:end], lp[2][row][:end]
 
-        out = ModelRunnerOutput([], [], [], [])
+        out = ModelRunnerOutput([], [], [], [], [], [])
         row = 0
         for item in sched.scheduled:
             if not item.sample:
@@ -255,6 +303,8 @@ class ModelRunner:
                 out.logprobs.append(None)
                 out.fork_token_ids.append([])
                 out.fork_logprobs.append([])
+                out.extra_token_ids.append([])
+                out.extra_logprobs.append([])
                 continue
             out.sampled_token_ids.append(token_ids[row])
             out.logprobs.append(row_logprobs(row, item.request))
@@ -262,4 +312,14 @@ class ModelRunner:
             out.fork_token_ids.append([token_ids[r] for r in siblings])
             out.fork_logprobs.append([row_logprobs(r, s) for r, s in zip(siblings, item.fork_requests, strict=True)])
             row += 1 + len(item.fork_requests)
+            num_spec = len(item.spec_token_ids)
+            extra: list[int] = []
+            if num_spec:
+                assert accepted is not None
+                # Rows row-1 .. row-1+num_spec: the run ends after the first rejection.
+                (run,) = accepted_runs(token_ids[row - 1 : row + num_spec], accepted[row - 1 : row + num_spec], [num_spec])
+                extra = run[1:]
+            out.extra_token_ids.append(extra)
+            out.extra_logprobs.append([row_logprobs(row + j, item.request) for j in range(len(extra))])
+            row += num_spec
         return out
