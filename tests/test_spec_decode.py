@@ -460,21 +460,34 @@ def smollm2():
     return str(path)
 
 
-def test_smollm2_greedy_equals_no_speculation(smollm2):
-    """On a copy-heavy chat prompt n-gram lookup and a truncated draft are accepted often;
-    the outputs, which end with EOS (<|im_end|>), equal plain decoding token for token."""
-    messages = [
-        [{"role": "user", "content": "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog."}],
-        [{"role": "user", "content": "Copy this list: apples, pears, plums, cherries."}],
-    ]
-    params = [SamplingParams(max_tokens=40, temperature=0), SamplingParams(max_tokens=40, temperature=0, stop=["plums"])]
-    args = dict(max_model_len=512, num_gpu_blocks_override=128, block_size=16)
-    want = [o.outputs[0] for o in make_llm(smollm2, **args).chat(messages, params, use_tqdm=False)]
+SMOLLM2_MESSAGES = [[{"role": "user", "content": "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog."}]] * 2
+SMOLLM2_PARAMS = [SamplingParams(max_tokens=20, temperature=0), SamplingParams(max_tokens=20, temperature=0, stop=["lazy"])]
+SMOLLM2_ARGS = dict(max_model_len=256, num_gpu_blocks_override=64, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2):
+    want = [o.outputs[0] for o in make_llm(smollm2, **SMOLLM2_ARGS).chat(SMOLLM2_MESSAGES, SMOLLM2_PARAMS, use_tqdm=False)]
     assert want[0].finish_reason == "stop" and want[0].stop_reason is None  # EOS
-    draft = str(truncated_copy(pathlib.Path(smollm2), 8))
-    for spec in ({"method": "ngram", **ALWAYS}, {"model": draft, "num_speculative_tokens": 3, **ALWAYS}):
-        llm = make_llm(smollm2, spec, **args)
-        got = [o.outputs[0] for o in llm.chat(messages, params, use_tqdm=False)]
-        for g, w in zip(got, want, strict=True):
-            assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == (w.token_ids, w.text, w.finish_reason, w.stop_reason)
-        assert spec_stats(llm).spec_num_accepted_tokens > 0
+    assert want[1].stop_reason == "lazy"
+    return want
+
+
+@pytest.mark.parametrize("proposer", ["ngram", pytest.param("draft", marks=pytest.mark.slow)])
+def test_smollm2_greedy_equals_no_speculation(smollm2, smollm2_reference, proposer):
+    """On a copy-heavy chat prompt n-gram lookup is accepted often; with it and with a
+    truncated draft (its first 8 of 30 layers: a poor guesser, so mostly rejections) the
+    outputs, one ending with EOS (<|im_end|>), one with a stop string, equal plain decoding.
+    (The draft variant loads two 135M models: marked slow.)"""
+    if proposer == "ngram":
+        spec = {"method": "ngram", **ALWAYS}
+    else:
+        spec = {"model": str(truncated_copy(pathlib.Path(smollm2), 8)), "num_speculative_tokens": 2, **ALWAYS}
+    llm = make_llm(smollm2, spec, **SMOLLM2_ARGS)
+    got = [o.outputs[0] for o in llm.chat(SMOLLM2_MESSAGES, SMOLLM2_PARAMS, use_tqdm=False)]
+    for g, w in zip(got, smollm2_reference, strict=True):
+        assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == (w.token_ids, w.text, w.finish_reason, w.stop_reason)
+    stats = spec_stats(llm)
+    assert stats.spec_num_draft_tokens > 0
+    if proposer == "ngram":
+        assert stats.spec_num_accepted_tokens >= stats.spec_num_draft_tokens / 2
