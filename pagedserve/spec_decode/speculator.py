@@ -13,8 +13,8 @@ many were accepted and turns speculation off where it does not pay:
   request whose text turns copy-heavy later gets probed again).
 
 Requests that never speculate: beams (their group picks tokens), requests still before
-their first output token, under min_tokens, or with penalties (those would have to count
-the proposals as outputs in every row).
+their first output token, under min_tokens, with penalties or bad_words (those would have
+to count the proposals as outputs in every row).
 """
 
 from __future__ import annotations
@@ -87,6 +87,9 @@ class Speculator:
             and request.num_output_tokens >= max(1, params.min_tokens)
             and request.num_computed_tokens == request.num_tokens - 1
             and not params.needs_penalties
+            # A multi-token bad word bans its last token after its prefix: per row, the
+            # prefix would have to include the proposals before it.
+            and not params.bad_words
         )
 
     def _active(self, request: Request) -> bool:
