@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.quantization import QuantizationConfig
+from pagedserve.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,16 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"
     lora: LoRAConfig | None = None  # None: LoRA off
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+
+    def __post_init__(self) -> None:
+        if self.speculative is not None and (
+            self.cache.kv_allocation != "paged" or self.scheduler.batching != "continuous"
+        ):
+            raise ValueError(
+                "speculative_config needs the paged KV cache and continuous batching "
+                f"(got kv_allocation={self.cache.kv_allocation!r}, batching={self.scheduler.batching!r})"
+            )
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

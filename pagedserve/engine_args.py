@@ -78,6 +78,16 @@ def parse_model_len(text: str) -> int | None:
     return tokens
 
 
+def _parse_speculative_config(text: str) -> Any:
+    """--speculative-config: checked while parsing, so a bad key is a usage error naming it."""
+    from pagedserve.spec_decode.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_value(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _setting(
     help: str,
     *,
@@ -201,6 +211,13 @@ class EngineArgs:
     lora_dtype: str = field(default="auto", metadata=_setting(
         "adapters' dtype in the KV pool (auto: the model's; bfloat16 halves their memory)",
         group="LoRA adapters", choices=("auto", "float32", "bfloat16")))
+    speculative_config: Any = field(default=None, metadata=_setting(
+        "speculative decoding, vLLM's JSON form: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' or '{\"model\": \"/path/draft\", "
+        "\"num_speculative_tokens\": 4}' (LLM(...) also takes a dict)",
+        group="speculative decoding", parse=_parse_speculative_config, metavar="JSON",
+        vllm="same JSON form; methods `ngram` and a draft `model` (no EAGLE / Medusa / MTP); "
+             "extra keys for the auto-off: `disable_by_batch_size`, `min_acceptance_rate`, `backoff_steps`"))
 
     data_parallel_size: int = field(default=1, metadata=_setting(
         "engine replicas behind one endpoint (each a full engine; needs "
@@ -277,6 +294,7 @@ class EngineArgs:
             ModelConfig,
             SchedulerConfig,
         )
+        from pagedserve.spec_decode.config import SpeculativeConfig
 
         if self.model is None:
             raise ValueError("model: no model given")
@@ -326,6 +344,7 @@ class EngineArgs:
             device=self.device,
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
             if self.enable_lora else None,
+            speculative=SpeculativeConfig.from_value(self.speculative_config),
         )
 
 

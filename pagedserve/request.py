@@ -85,6 +85,9 @@ class Request:
     # Per generated token: (token ids of top-k + chosen, their logprobs, ranks), when asked.
     logprobs: list[tuple[list[int], list[float], list[int]]] = field(default_factory=list)
     first_scheduled_time: float | None = None
+    # Tokens a proposer guessed follow this request, verified by its next decode step
+    # (speculative decoding); taken (and cleared) by the scheduler.
+    spec_token_ids: list[int] = field(default_factory=list)
     first_token_time: float | None = None
 
     @property

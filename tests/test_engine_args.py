@@ -26,7 +26,7 @@ def test_every_cli_setting_round_trips_through_its_flag() -> None:
             "--max-cpu-loras", "9", "--lora-dtype", "bfloat16", "--skip-tokenizer-init",
             "--gpu-memory-utilization", "0.5", "--trust-remote-code", "--enforce-eager",
             "--load-format", "gguf", "--tokenizer-mode", "slow", "--disable-log-stats",
-            "--scheduling-policy", "priority",
+            "--scheduling-policy", "priority", "--speculative-config", '{"method": "ngram"}',
             "--data-parallel-size", "2", "--distributed-executor-backend", "ray"]
     args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
     defaults = EngineArgs()
@@ -39,6 +39,7 @@ def test_every_cli_setting_round_trips_through_its_flag() -> None:
     assert isinstance(config, EngineConfig)
     assert config.cache.swap_space_bytes == 2 << 30 and config.cache.block_size == 32
     assert config.lora is not None and config.lora.max_cpu_loras == 9
+    assert config.speculative is not None and config.speculative.method == "ngram"
 
 
 def test_positional_and_option_model() -> None:

@@ -125,6 +125,25 @@ class KVCacheManager:
         index = num_computed_tokens // self.block_size
         return num_new_tokens > 0 and index < len(table) and self.pool.ref_cnt[table[index]] > 1
 
+    def rollback(self, seq_id: str, num_tokens: int) -> None:
+        """Keeps the blocks holding the first `num_tokens` tokens and frees the rest.
+
+        Speculative decoding: slots for proposed tokens were allocated before they were
+        verified; the blocks past the accepted ones go back to the pool in the same step.
+        Those blocks were allocated this step (never shared, never published: publishing
+        stops at the verified tokens), so this only drops references. Slots past
+        `num_tokens` inside the kept last block hold stale K/V, overwritten before any
+        attention reads them (reads stop at the sequence length).
+        """
+        table = self.block_tables.get(seq_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not table or len(table) <= keep:
+            return
+        assert self._num_published.get(seq_id, 0) <= keep, "a block with unverified tokens was published"
+        tail = table[keep:]
+        del table[keep:]
+        self.pool.release(reversed(tail))
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """Gives `child_id` the parent's blocks, shared (reference count + 1, no copy)."""
         if child_id in self.block_tables:

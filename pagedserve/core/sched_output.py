@@ -13,6 +13,13 @@ class ScheduledRequest:
 
     The runner computes K/V for tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)
     and samples a token only if that range reaches the end of the request (`sample`).
+
+    With speculative decoding the range ends in `spec_token_ids`, proposed tokens that
+    are not part of the request yet (num_new_tokens counts them):
+
+        position:  num_computed_tokens    +1 ..           +len(spec_token_ids)
+        token:     last sampled token     spec_token_ids
+        logits:    one row per position, each checks the next proposal; the last is the bonus
     """
 
     request: Request
@@ -23,6 +30,7 @@ class ScheduledRequest:
     # Sibling samples (n/best_of) that draw their first token from this request's logits
     # row this step, then fork its blocks. Empty except on a group's first sampling step.
     fork_requests: list[Request] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -25,6 +25,12 @@ With `policy="priority"` (vLLM's --scheduling-policy priority) every queue is or
 (priority, arrival) instead of arrival: lower values are admitted first and preempted last,
 first come first served within a priority.
 
+Speculative decoding: a decoding request may carry proposed tokens (`spec_token_ids`,
+set by the engine's Speculator after the previous step). They ride along with its
+decode token, count against the token budget and get KV slots like any token; if the
+slots are not free the request decodes without them rather than preempting anyone.
+After the step the rejected proposals' slots are rolled back (`KVCacheManager.rollback`).
+
 The scheduler counts tokens and block ids; it never touches tensors.
 """
 
@@ -84,6 +90,10 @@ class SchedulerStats:
     num_swapped: int = 0
     num_swapped_out_blocks_total: int = 0
     num_swapped_in_blocks_total: int = 0
+    # Speculative decoding, vLLM's counters: verified proposal runs, their tokens, accepted ones.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 def _arrival_order(request: Request) -> tuple[float, int]:
@@ -121,6 +131,9 @@ class Scheduler:
         # Prefix cache, in tokens: looked up at admission / found cached.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
         self._finished_ids: list[str] = []
 
     # ---- request lifecycle -------------------------------------------------------------
@@ -219,12 +232,31 @@ class Scheduler:
                 # A beam waiting for its group's decision: nothing to compute yet.
                 index += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, out):
+            spec = self._take_spec_tokens(request, num_new, budget)
+            if not spec and not self._allocate_or_preempt(request, num_new, out):
                 break  # `request` itself was the last one and got preempted.
-            self._add_scheduled(out, request, num_new)
-            budget -= num_new
+            self._add_scheduled(out, request, num_new, spec)
+            budget -= num_new + len(spec)
             index += 1
         return budget
+
+    def _take_spec_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's proposals that fit this step, with their KV slots allocated; [] if none.
+
+        Only a decode (one token to compute) carries proposals; they are capped by the
+        token budget and by the output budget (the tokens after the run's last one could
+        not be used). Proposals never preempt: without free slots they are dropped.
+        """
+        spec, request.spec_token_ids = request.spec_token_ids, []
+        if not spec or num_new != 1 or request.request_id in self.pending_forks:
+            return []
+        room = min(budget - 1, request.max_output_tokens - request.num_output_tokens - 1)
+        spec = spec[: max(0, room)]
+        if spec and self.kv.allocate_slots(
+            request.request_id, request.num_computed_tokens, num_new + len(spec), request=request
+        ):
+            return spec
+        return []
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new, request=request):
@@ -250,6 +282,7 @@ class Scheduler:
             return
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         if self.limits.policy == "priority":
             # Ahead of every later arrival of its priority, as appendleft is under FCFS.
@@ -357,26 +390,35 @@ class Scheduler:
             if self.lora is not None and request.lora_id:
                 self.lora.release(request.lora_id)
 
-    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _add_scheduled(
+        self, out: SchedulerOutput, request: Request, num_new: int, spec: list[int] | None = None
+    ) -> None:
         start = request.num_computed_tokens
         sample = start + num_new == request.num_tokens
+        # Up to the request's own tokens only: a block holding proposals is never published.
         self.kv.cache_full_blocks(request, start + num_new)
+        spec = spec or []
         out.scheduled.append(
             ScheduledRequest(
                 request=request,
                 num_computed_tokens=start,
-                num_new_tokens=num_new,
+                num_new_tokens=num_new + len(spec),
                 block_table=self.kv.get_block_table(request.request_id),
                 sample=sample,
                 fork_requests=list(self.pending_forks.get(request.request_id, ())) if sample else [],
+                spec_token_ids=spec,
             )
         )
-        out.num_batched_tokens += num_new
+        out.num_batched_tokens += num_new + len(spec)
 
     # ---- results -----------------------------------------------------------------------
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: list[int | None], fork_tokens: list[list[int]] | None = None
+        self,
+        out: SchedulerOutput,
+        sampled: list[int | None],
+        fork_tokens: list[list[int]] | None = None,
+        extra_tokens: list[list[int]] | None = None,
     ) -> list[Request]:
         """Advances counters, appends sampled tokens, forks siblings, retires finished requests.
 
@@ -385,8 +427,11 @@ class Scheduler:
             sampled: one entry per scheduled request: the new token id, or None if it
                 did not sample this step (a prefill chunk that is not the last).
             fork_tokens: per scheduled request, the first tokens of its `fork_requests`.
+            extra_tokens: per scheduled request, the tokens after `sampled` that its
+                verified proposals gave (speculative decoding; the accepted proposals
+                except the first, then the correction or bonus token). None: none did.
         Returns:
-            The requests that received a token this step (finished ones included).
+            The requests that received tokens this step (finished ones included), once each.
         """
         updated: list[Request] = []
         for index, (item, token_id) in enumerate(zip(out.scheduled, sampled, strict=True)):
@@ -398,15 +443,36 @@ class Scheduler:
                 continue
             if item.fork_requests and fork_tokens is not None:
                 self._fork_siblings(request, item.fork_requests, fork_tokens[index], updated)
-            self._append_token(request, token_id, updated)
+            extra = extra_tokens[index] if extra_tokens is not None else []
+            if item.spec_token_ids:
+                # Here the number of accepted proposals per request is known; state that
+                # follows the tokens (e.g. a structured-output matcher) advances by
+                # exactly the tokens appended below.
+                self._settle_proposals(request, len(item.spec_token_ids), len(extra))
+            self._append_tokens(request, [token_id, *extra], updated)
         return updated
 
+    def _settle_proposals(self, request: Request, num_proposed: int, num_accepted: int) -> None:
+        """Counts the run and rolls back the rejected proposals' K/V slots."""
+        request.num_computed_tokens -= num_proposed - num_accepted
+        self.kv.rollback(request.request_id, request.num_computed_tokens)
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_proposed
+        self.spec_num_accepted_tokens += num_accepted
+
     def _append_token(self, request: Request, token_id: int, updated: list[Request]) -> None:
-        request.append_output_token(token_id)
+        self._append_tokens(request, [token_id], updated)
+
+    def _append_tokens(self, request: Request, token_ids: list[int], updated: list[Request]) -> None:
+        """Appends tokens in order until one ends the request (EOS, stop id, length); the
+        rest of an accepted run after it is dropped."""
         updated.append(request)
-        if request.check_stop():
-            self._leave_running(request)
-            self._retire(request)
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            if request.check_stop():
+                self._leave_running(request)
+                self._retire(request)
+                return
 
     def fork_request(self, parent: Request, child: Request, token_id: int) -> None:
         """Starts `child` (a copy of `parent`'s tokens) on parent's blocks, then appends `token_id`.
@@ -452,4 +518,7 @@ class Scheduler:
             num_swapped=len(self.swapped),
             num_swapped_out_blocks_total=self.num_swapped_out_blocks_total,
             num_swapped_in_blocks_total=self.num_swapped_in_blocks_total,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
         )

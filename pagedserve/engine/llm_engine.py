@@ -27,11 +27,9 @@ from pagedserve.models.source import eos_token_ids, resolve_model_source
 from pagedserve.outputs import RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.kv_cache import (
-    default_kv_cache_bytes,
-    kv_cache_bytes_for_utilization,
-    num_blocks_for,
-)
+from pagedserve.spec_decode.draft_model import DraftModelProposer
+from pagedserve.spec_decode.speculator import Speculator
+from pagedserve.worker.kv_cache import default_kv_cache_bytes, kv_cache_bytes_for_utilization
 from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -46,6 +44,16 @@ class EngineStats:
     num_generation_tokens_total: int
     num_steps_total: int
     last_step_num_tokens: int
+    # Speculative decoding in the last step: proposed tokens verified, and accepted.
+    last_step_spec_draft_tokens: int = 0
+    last_step_spec_accepted_tokens: int = 0
+
+    @property
+    def last_step_spec_acceptance_rate(self) -> float | None:
+        """Accepted / verified proposals of the last step; None if it verified none."""
+        if not self.last_step_spec_draft_tokens:
+            return None
+        return self.last_step_spec_accepted_tokens / self.last_step_spec_draft_tokens
 
 
 class LLMEngine:
@@ -80,6 +88,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, self.source.generation_eos_ids)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.max_model_len = _resolve_max_model_len(hf_config, model_cfg.max_model_len)
+        self.draft_runner = self._load_draft(model_dtype)
         self.num_blocks = self._size_kv_cache()
         self.runner.initialize_kv_cache(self.num_blocks)
         spec = self.runner.kv_cache_spec()
@@ -93,6 +102,7 @@ class LLMEngine:
                 f"({self.max_model_len}) when chunked prefill is disabled"
             )
         self.scheduler = build_scheduler(sched, self.kv_manager, self._preemption_policy())
+        self.speculator = self._start_speculator()
         self.lora_manager = self._start_lora() if config.lora is not None else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self._groups: dict[str, SampleGroup] = {}
@@ -113,15 +123,50 @@ class LLMEngine:
         weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return kv_cache_bytes_for_utilization(self.device, utilization, weight_bytes)
 
+    def _load_draft(self, dtype: torch.dtype) -> ModelRunner | None:
+        """The draft model's runner (speculative decoding with method 'draft_model'), checked
+        against the target: same vocabulary, long enough context."""
+        spec_cfg = self.config.speculative
+        if spec_cfg is None or spec_cfg.model is None:
+            return None
+        draft = ModelRunner(spec_cfg.model, dtype, self.device, self.config.cache.block_size,
+                            kv_cache_dtype=self.config.cache.kv_cache_dtype)
+        if draft.vocab_size != self.vocab_size:
+            raise ValueError(
+                f"speculative_config.model: the draft model's vocab_size ({draft.vocab_size}) differs from "
+                f"the target's ({self.vocab_size}); a draft must share the target's tokenizer"
+            )
+        draft_len = getattr(draft.hf_config, "max_position_embeddings", None)
+        if draft_len is not None and draft_len < self.max_model_len:
+            raise ValueError(
+                f"speculative_config.model: the draft model's max_position_embeddings ({draft_len}) is below "
+                f"max_model_len ({self.max_model_len}); lower max_model_len"
+            )
+        return draft
+
+    def _start_speculator(self) -> Speculator | None:
+        spec_cfg = self.config.speculative
+        if spec_cfg is None:
+            return None
+        draft = None
+        if self.draft_runner is not None:
+            draft = DraftModelProposer(self.draft_runner, self.num_blocks, self.config.cache.block_size)
+        return Speculator(spec_cfg, draft)
+
     def _size_kv_cache(self) -> int:
         spec = self.runner.kv_cache_spec()
         cache = self.config.cache
+        # A draft model's K/V comes from the same budget: every block of the target's pool
+        # has a twin in the draft's pool, so both hold the same number of tokens.
+        bytes_per_block = spec.bytes_per_block
+        if self.draft_runner is not None:
+            bytes_per_block += self.draft_runner.kv_cache_spec().bytes_per_block
         if cache.num_gpu_blocks_override is not None:
             num_blocks = cache.num_gpu_blocks_override
-            memory = num_blocks * spec.bytes_per_block
+            memory = num_blocks * bytes_per_block
         else:
             memory = cache.kv_cache_memory_bytes or self._default_kv_cache_bytes()
-            num_blocks = num_blocks_for(spec, memory)
+            num_blocks = memory // bytes_per_block
         capacity = num_blocks * spec.block_size
         if capacity < self.max_model_len:
             raise ValueError(
@@ -325,6 +370,8 @@ class LLMEngine:
             group = self._groups.pop(request_id, None)
             ids.extend(group.sample_ids if group is not None else [request_id])
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.requests)
         now = time.monotonic()
         for request_id in ids:
             self.output_processor.finish(request_id, now)
@@ -351,7 +398,12 @@ class LLMEngine:
         sampled = runner_out.sampled_token_ids
         if self.beam_search.has_work():
             self.beam_search.take_reports(sched_out, sampled, runner_out.logprobs)
-        updated = self.scheduler.update_from_output(sched_out, sampled, runner_out.fork_token_ids)
+        num_outputs_before = {item.request.request_id: item.request.num_output_tokens for item in sched_out.scheduled}
+        updated = self.scheduler.update_from_output(
+            sched_out, sampled, runner_out.fork_token_ids, runner_out.extra_token_ids or None
+        )
+        if self.speculator is not None:
+            self.speculator.observe(sched_out, runner_out.extra_token_ids)
         if self.beam_search.has_work():
             self.beam_search.apply_decisions()
         failed += self.scheduler.failed
@@ -361,14 +413,16 @@ class LLMEngine:
         now = time.monotonic()
         outputs = []
         for request in updated:
+            first_new = num_outputs_before.get(request.request_id, 0)
+            self._generation_tokens_total += request.num_output_tokens - first_new
             try:
-                output = self._process_token(request, logprobs_by_id.get(request.request_id), now)
+                output = self._process_token(request, first_new, logprobs_by_id.get(request.request_id, []), now)
             except Exception as exc:  # noqa: BLE001 - this request's own failure, not the batch's
                 logger.warning("request %s failed while processing its output: %r", request.request_id, exc)
                 self._end_with_error(request, f"{type(exc).__name__}: {exc}")
                 failed.append(request)
                 continue
-            if output is not None:
+            if output is not None and (output.finished or request.sampling_params.output_kind != "final_only"):
                 outputs.append(output)
         for request in failed:
             # Failed in the runner, the scheduler (its adapter did not load) or the output
@@ -381,16 +435,19 @@ class LLMEngine:
                 output = self._group_output(request, output)
             if output is not None and (output.finished or request.sampling_params.output_kind != "final_only"):
                 outputs.append(output)
-        self._generation_tokens_total += len(updated)
+        if self.speculator is not None:
+            # After stop strings ended their requests: propose for who runs next step.
+            self.speculator.release(self.scheduler.requests)
+            self.speculator.propose(self.scheduler.running)
         return outputs
 
-    def _process_token(self, request: Request, logprobs: Any, now: float) -> RequestOutput | None:
+    def _process_token(
+        self, request: Request, first_new: int, logprobs: list[Any], now: float
+    ) -> RequestOutput | None:
+        """The request's new tokens (one, or an accepted speculative run) -> its output."""
         if self.faults is not None:
             self.faults.check("detokenize", request.request_id)
-        hit_stop = self.output_processor.process_token(request, logprobs, now)
-        if hit_stop and not request.status.finished:
-            # A stop string ends the request now; its blocks return to the pool this step.
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        self._process_new_tokens(request, first_new, logprobs, now)
         finished = request.status.finished
         output = self.output_processor.make_output(request, finished)
         if finished:
@@ -425,6 +482,25 @@ class LLMEngine:
                 self._end_with_error(request, reason)
                 failed.append(request)
         return failed
+
+    def _process_new_tokens(self, request: Request, first_new: int, logprobs: list[Any], now: float) -> None:
+        """Detokenizes the request's new tokens in order; a stop string ends it at its token
+        (the rest of an accepted speculative run is dropped) and frees its blocks now."""
+        last = request.num_output_tokens - 1
+        for index in range(first_new, last + 1):
+            offset = index - first_new
+            lp = logprobs[offset] if offset < len(logprobs) else None
+            if not self.output_processor.process_token(request, lp, now, index):
+                continue
+            if index < last:
+                del request.output_token_ids[index + 1 :]
+                if request.status.finished:
+                    # The run's later token ended it (EOS, length); the stop string came first.
+                    request.status = RequestStatus.FINISHED_STOPPED
+            if not request.status.finished:
+                # A stop string ends the request now; its blocks return to the pool this step.
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            return
 
     def _group_output(self, request: Request, output: RequestOutput) -> RequestOutput | None:
         group = self._groups.get(request.group_id)
@@ -465,6 +541,8 @@ class LLMEngine:
             num_generation_tokens_total=self._generation_tokens_total,
             num_steps_total=self._steps_total,
             last_step_num_tokens=self._last_step_tokens,
+            last_step_spec_draft_tokens=self.speculator.last_num_draft_tokens if self.speculator else 0,
+            last_step_spec_accepted_tokens=self.speculator.last_num_accepted_tokens if self.speculator else 0,
         )
 
     def check_integrity(self) -> None:
@@ -478,6 +556,8 @@ class LLMEngine:
             self.lora_manager.check_idle()
             adapter_blocks = self.lora_manager.device_blocks()
         self.kv_manager.assert_all_free(adapter_blocks)
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.kv.assert_all_free()
 
 
 def _with_max_tokens(params: BeamSearchParams, max_tokens: int) -> BeamSearchParams:
@@ -486,14 +566,14 @@ def _with_max_tokens(params: BeamSearchParams, max_tokens: int) -> BeamSearchPar
     return replace(params, max_tokens=max_tokens)
 
 
-def _logprobs_by_request(sched_out, runner_out) -> dict[str, Any]:
-    found: dict[str, Any] = {}
+def _logprobs_by_request(sched_out, runner_out) -> dict[str, list[Any]]:
+    """Request id -> logprobs of each token it got this step, in order (None where not asked)."""
+    found: dict[str, list[Any]] = {}
     for index, item in enumerate(sched_out.scheduled):
-        if runner_out.logprobs[index] is not None:
-            found[item.request.request_id] = runner_out.logprobs[index]
+        extra = runner_out.extra_logprobs[index] if runner_out.extra_logprobs else []
+        found[item.request.request_id] = [runner_out.logprobs[index], *extra]
         for sibling, lp in zip(item.fork_requests, runner_out.fork_logprobs[index], strict=False):
-            if lp is not None:
-                found[sibling.request_id] = lp
+            found[sibling.request_id] = [lp]
     return found
 
 

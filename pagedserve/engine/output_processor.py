@@ -47,11 +47,17 @@ class OutputProcessor:
         )
 
     def process_token(
-        self, request: Request, logprobs: tuple[list[int], list[float], list[int]] | None, now: float
+        self,
+        request: Request,
+        logprobs: tuple[list[int], list[float], list[int]] | None,
+        now: float,
+        index: int = -1,
     ) -> bool:
-        """Records the request's newest token. Returns True if a stop string ended it."""
+        """Records the request's output token at `index` (default the newest; a speculative
+        run gives several per step, processed in order). Returns True if a stop string ended it."""
         state = self._states[request.request_id]
-        token_id = request.output_token_ids[-1]
+        token_id = request.output_token_ids[index]
+        is_last = index in (-1, request.num_output_tokens - 1)
         if state.metrics is not None:
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
@@ -64,9 +70,10 @@ class OutputProcessor:
         if state.detokenizer is None:
             return False
         # A stop token id that ends the request is not part of the text (vLLM's behaviour).
-        if request.status.finished and request.stop_reason == token_id:
+        ended_here = is_last and request.status.finished
+        if ended_here and request.stop_reason == token_id:
             return False
-        if request.status.finished and token_id == request.eos_token_id and not request.sampling_params.ignore_eos:
+        if ended_here and token_id == request.eos_token_id and not request.sampling_params.ignore_eos:
             return False
         state.text += state.detokenizer.add(token_id)
         return self._check_stop_strings(request, state)

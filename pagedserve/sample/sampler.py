@@ -25,9 +25,38 @@ class SamplerOutput:
     ranks: torch.Tensor | None = None
 
 
+@dataclass(slots=True)
+class TargetDistribution:
+    """What verifying proposed tokens needs from each row (see spec_decode/rejection_sampler.py)."""
+
+    raw_logprobs: torch.Tensor | None  # (N, V) when logprobs were asked for
+    greedy_tokens: torch.Tensor  # (N,) argmax after bias and penalties
+    probs: torch.Tensor | None  # (N, V) the distribution a token is drawn from; None if all greedy
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: (N, vocab) float32 raw model output; modified in place."""
+        raw_logprobs = self._prepare(logits, meta)
+        if meta.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits, meta)
+        out = SamplerOutput(token_ids=token_ids)
+        if raw_logprobs is not None:
+            gather_logprobs(raw_logprobs, token_ids, meta.max_num_logprobs or 0, out)
+        return out
+
+    def target_distribution(self, logits: torch.Tensor, meta: SamplingMetadata) -> TargetDistribution:
+        """The same processing as a draw, stopped before it: speculative decoding accepts
+        proposals against these distributions. logits are modified in place."""
+        raw_logprobs = self._prepare(logits, meta)
+        greedy_tokens = logits.argmax(dim=-1)
+        probs = None if meta.all_greedy else self._probs(logits, meta)
+        return TargetDistribution(raw_logprobs, greedy_tokens, probs)
+
+    def _prepare(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor | None:
+        """Raw logprobs (if asked for), then logit bias and penalties, in place."""
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         )
@@ -36,17 +65,10 @@ class Sampler:
             logits.index_put_((rows, cols), values, accumulate=True)
         if meta.penalties is not None:
             _apply_penalties(logits, meta.penalties)
-        if meta.all_greedy:
-            token_ids = logits.argmax(dim=-1)
-        else:
-            token_ids = self._sample(logits, meta)
-        out = SamplerOutput(token_ids=token_ids)
-        if raw_logprobs is not None:
-            _gather_logprobs(raw_logprobs, token_ids, meta.max_num_logprobs or 0, out)
-        return out
+        return raw_logprobs
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        greedy_tokens = logits.argmax(dim=-1) if meta.greedy_mask is not None else None
+    def _probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Temperature, top-k/top-p, softmax, min-p: the distribution of the draw."""
         assert meta.temperature is not None
         logits.div_(meta.temperature.unsqueeze(1))
         if meta.top_k is not None or meta.top_p is not None:
@@ -55,6 +77,11 @@ class Sampler:
         if meta.min_p is not None:
             threshold = probs.amax(dim=-1, keepdim=True) * meta.min_p.unsqueeze(1)
             probs.masked_fill_(probs < threshold, 0.0)
+        return probs
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        greedy_tokens = logits.argmax(dim=-1) if meta.greedy_mask is not None else None
+        probs = self._probs(logits, meta)
         noise = torch.empty_like(probs).exponential_()
         for row, generator in meta.generators.items():
             noise[row].exponential_(generator=generator)
@@ -102,7 +129,7 @@ def _apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int, out: SamplerOutput) -> None:
+def gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int, out: SamplerOutput) -> None:
     chosen = raw.gather(1, token_ids.unsqueeze(1))  # (N, 1)
     chosen_rank = (raw > chosen).sum(dim=-1, keepdim=True) + 1
     if k > 0:

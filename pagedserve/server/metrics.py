@@ -49,6 +49,9 @@ class ServerMetrics(EngineObserver):
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Tokens found in the prefix cache.")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative runs verified (one per request and step).")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified.")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.")
         self.request_success = counter(
             "vllm:request_success", "Finished requests, by finish reason.", ("finished_reason",)
         )
@@ -57,11 +60,15 @@ class ServerMetrics(EngineObserver):
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", _E2E_BUCKETS)
         self._label = {"model_name": model_name}
         for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens,
-                       self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.e2e):
+                       self.prefix_queries, self.prefix_hits, self.spec_drafts, self.spec_draft_tokens,
+                       self.spec_accepted_tokens, self.ttft, self.itl, self.e2e):
             metric.labels(**self._label)  # expose zero-valued series from the start
         self._preemptions_seen = 0
         self._queries_seen = 0
         self._hits_seen = 0
+        self._spec_drafts_seen = 0
+        self._spec_draft_tokens_seen = 0
+        self._spec_accepted_seen = 0
 
     # ---- EngineObserver (engine thread) ----------------------------------------------------
 
@@ -90,6 +97,9 @@ class ServerMetrics(EngineObserver):
         for counter, total, attr in (
             (self.prefix_queries, sched.prefix_cache_queries, "_queries_seen"),
             (self.prefix_hits, sched.prefix_cache_hits, "_hits_seen"),
+            (self.spec_drafts, sched.spec_num_drafts, "_spec_drafts_seen"),
+            (self.spec_draft_tokens, sched.spec_num_draft_tokens, "_spec_draft_tokens_seen"),
+            (self.spec_accepted_tokens, sched.spec_num_accepted_tokens, "_spec_accepted_seen"),
         ):
             if total > getattr(self, attr):
                 counter.labels(**self._label).inc(total - getattr(self, attr))

@@ -30,7 +30,8 @@ from pagedserve.models.layers.attention import Attention
 from pagedserve.models.loader import load_model
 from pagedserve.quantization import QuantizationConfig
 from pagedserve.sample.input_builder import build_sampling_metadata
-from pagedserve.sample.sampler import Sampler
+from pagedserve.sample.sampler import Sampler, SamplerOutput, gather_logprobs
+from pagedserve.spec_decode.rejection_sampler import accepted_runs, rejection_sample
 from pagedserve.worker.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_torch_dtype
 
 if TYPE_CHECKING:
@@ -75,6 +76,10 @@ class ModelRunnerOutput:
     # Scheduled requests whose own preparation failed (request id -> why): they sampled
     # nothing, nor did their `fork_requests`; the engine ends them with finish_reason "error".
     failed: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding, per scheduled request: the tokens after `sampled_token_ids`
+    # that its verified proposals gave, and their logprobs; empty lists otherwise.
+    extra_token_ids: list[list[int]] = field(default_factory=list)
+    extra_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -185,12 +190,18 @@ class ModelRunner:
         if meta is None:  # every sampling request failed
             return self._to_output(sched, None, failed)
         logits = self.model.compute_logits(hidden[logits_indices])
+        if any(item.spec_token_ids for item in sched.scheduled if item.request.request_id not in failed):
+            return self._verify(sched, logits, meta, failed)
         sampled = self.sampler(logits, meta)
         return self._to_output(sched, sampled, failed)
 
     def _build_sampling(self, items: list[ScheduledRequest]) -> SamplingMetadata:
         # One logits row per sampling request, then one per sibling it forks (same row).
-        rows = [r for item in items for r in (item.request, *item.fork_requests)]
+        # A request verifying k proposals has k + 1 rows (spec_decode/rejection_sampler.py).
+        rows = [
+            r for item in items
+            for r in (item.request, *item.fork_requests, *[item.request] * len(item.spec_token_ids))
+        ]
         if self.faults is not None:
             for request in rows:
                 self.faults.check("sampling_inputs", request.request_id)
@@ -222,7 +233,7 @@ class ModelRunner:
         keep: list[int] = []
         row = 0
         for item in items:
-            num_rows = 1 + len(item.fork_requests)
+            num_rows = 1 + len(item.fork_requests) + len(item.spec_token_ids)
             if item.request.request_id not in failed:
                 keep.extend(range(row, row + num_rows))
             row += num_rows
@@ -230,8 +241,38 @@ class ModelRunner:
         meta = self._build_sampling(kept_items) if kept_items else None
         return meta, logits_indices[keep], failed
 
+    def forward_last_logits(self, sched: SchedulerOutput) -> torch.Tensor:
+        """(num_scheduled, vocab) logits at each scheduled request's last token (the
+        scheduled range may end in `spec_token_ids`). A draft model proposes with this."""
+        input_ids, positions, common, logits_indices = self._prepare_inputs(sched, last_only=True)
+        attn_metadata = self.backend.build_metadata(common)
+        hidden = self.model(input_ids, positions, attn_metadata)
+        return self.model.compute_logits(hidden[logits_indices])
+
+    def _verify(
+        self, sched: SchedulerOutput, logits: torch.Tensor, meta: SamplingMetadata, failed: dict[str, str]
+    ) -> ModelRunnerOutput:
+        """Samples a step that verifies proposals: every row goes through the rejection
+        sampler; a row without a proposal (a plain decode, a bonus row) draws as usual."""
+        drafts: list[int] = []
+        has_draft: list[bool] = []
+        for item in sched.scheduled:
+            if item.sample and item.request.request_id not in failed:
+                drafts.extend([*item.spec_token_ids, 0] + [0] * len(item.fork_requests))
+                has_draft.extend([True] * len(item.spec_token_ids) + [False] * (1 + len(item.fork_requests)))
+        dist = self.sampler.target_distribution(logits, meta)
+        verified = rejection_sample(
+            dist.probs, dist.greedy_tokens,
+            torch.tensor(drafts, dtype=torch.int64, device=self.device), has_draft,
+            greedy_mask=meta.greedy_mask, generators=meta.generators,
+        )
+        sampled = SamplerOutput(token_ids=verified.token_ids)
+        if dist.raw_logprobs is not None:
+            gather_logprobs(dist.raw_logprobs, verified.token_ids, meta.max_num_logprobs or 0, sampled)
+        return self._to_output(sched, sampled, failed, verified.accepted.tolist())
+
     def _prepare_inputs(
-        self, sched: SchedulerOutput
+        self, sched: SchedulerOutput, last_only: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata, torch.Tensor]:
         token_ids: list[int] = []
         positions: list[int] = []
@@ -240,12 +281,19 @@ class ModelRunner:
         logits_indices: list[int] = []
         for item in sched.scheduled:
             start, n = item.num_computed_tokens, item.num_new_tokens
-            token_ids.extend(item.request.token_ids_slice(start, start + n))
+            num_spec = len(item.spec_token_ids)
+            token_ids.extend(item.request.token_ids_slice(start, start + n - num_spec))
+            token_ids.extend(item.spec_token_ids)
             positions.extend(range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
-            if item.sample:
-                logits_indices.extend([len(token_ids) - 1] * (1 + len(item.fork_requests)))
+            last = len(token_ids) - 1
+            if last_only:
+                logits_indices.append(last)
+            elif item.sample:
+                # Siblings share the last row; each proposal adds the row before it.
+                logits_indices.extend([last - num_spec] * (1 + len(item.fork_requests)))
+                logits_indices.extend(range(last - num_spec + 1, last + 1))
         max_blocks = max(len(item.block_table) for item in sched.scheduled)
         block_tables = torch.tensor(
             [item.block_table + [0] * (max_blocks - len(item.block_table)) for item in sched.scheduled],
@@ -286,7 +334,9 @@ class ModelRunner:
         for src_cache, dst_cache in zip(src_caches, dst_caches, strict=True):
             dst_cache[:, dst] = src_cache[:, src].to(dst_cache.device, non_blocking=True)
 
-    def _to_output(self, sched: SchedulerOutput, sampled, failed: dict[str, str]) -> ModelRunnerOutput:
+    def _to_output(
+        self, sched: SchedulerOutput, sampled, failed: dict[str, str], accepted: list[bool] | None = None
+    ) -> ModelRunnerOutput:
         # The step's only host sync: everything comes back as Python lists at once.
         token_ids = sampled.token_ids.tolist() if sampled is not None else []
         lp = None
@@ -300,7 +350,7 @@ class ModelRunner:
             end = None if want == -1 else want + 1  # -1: the whole vocabulary
             return lp[0][row][:end], lp[1][row][:end], lp[2][row][:end]
 
-        out = ModelRunnerOutput([], [], [], [], failed)
+        out = ModelRunnerOutput([], [], [], [], failed=failed)
         row = 0
         for item in sched.scheduled:
             if not item.sample or item.request.request_id in failed:
@@ -308,6 +358,8 @@ class ModelRunner:
                 out.logprobs.append(None)
                 out.fork_token_ids.append([])
                 out.fork_logprobs.append([])
+                out.extra_token_ids.append([])
+                out.extra_logprobs.append([])
                 continue
             out.sampled_token_ids.append(token_ids[row])
             out.logprobs.append(row_logprobs(row, item.request))
@@ -315,4 +367,14 @@ class ModelRunner:
             out.fork_token_ids.append([token_ids[r] for r in siblings])
             out.fork_logprobs.append([row_logprobs(r, s) for r, s in zip(siblings, item.fork_requests, strict=True)])
             row += 1 + len(item.fork_requests)
+            num_spec = len(item.spec_token_ids)
+            extra: list[int] = []
+            if num_spec:
+                assert accepted is not None
+                # Rows row-1 .. row-1+num_spec: the run ends after the first rejection.
+                (run,) = accepted_runs(token_ids[row - 1 : row + num_spec], accepted[row - 1 : row + num_spec], [num_spec])
+                extra = run[1:]
+            out.extra_token_ids.append(extra)
+            out.extra_logprobs.append([row_logprobs(row + j, item.request) for j in range(len(extra))])
+            row += num_spec
         return out
