@@ -307,7 +307,9 @@ def test_lora_on_int8_base_equals_int8_reference_plus_peft(base, adapters, promp
         worst_with = max(worst_with, (ours - want).abs().max().item())
         least_without = min(least_without, (ours - base_only).abs().max().item())
     # bf16 rounding of a sum can differ by one unit between the kernel and the reference;
-    # the adapter moves the same logprobs by far more than that.
-    assert worst_with < 1e-3  # measured 1.7e-6
+    # the adapter moves the same logprobs by far more than that. Measured 1.7e-6 with the
+    # AVX-512-BF16 int8 kernel, 1.1e-3 on an AVX2-only CPU (other summation order, one bf16
+    # unit apart in a few logits).
+    assert worst_with < 3e-3
     assert least_without > 10 * worst_with
     llm.llm_engine.assert_no_leaks()
