@@ -137,11 +137,14 @@ def test_stop_mid_reply_frees_the_request(page, server: LiveServer):
 
 
 def test_reply_with_script_tag_renders_as_text(page):
+    # Greedy SmolLM2 answers this with a fenced HTML block holding <script>alert(...)</script>.
+    dialogs: list[str] = []
+    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
     _settings(page, temperature=0, max_tokens=40)
-    page.fill("#system", "You repeat the user's message exactly, character for character.")
-    page.dispatch_event("#system", "input")
-    _send(page, "<script>window.pwned = 1</script><img src=x onerror=\"window.pwned = 2\">")
+    _send(page, "Write an HTML page with a <script> tag that shows an alert.")
     reply = _wait_reply(page)
     assert "<script>" in reply, reply
-    assert page.evaluate("window.pwned") is None
-    assert page.locator("#messages script, #messages img").count() == 0
+    # Shown as text in a code block; an HTML-interpreting renderer would have made elements.
+    assert "<script>" in page.locator(".message.assistant pre code").last.text_content()
+    assert page.locator("#messages script, #messages html, #messages body").count() == 0
+    assert not dialogs
