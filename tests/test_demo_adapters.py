@@ -63,7 +63,7 @@ def test_each_adapter_shows_its_effect_only_where_asked(demo, llm):
 def test_trained_adapter_decodes_like_peft(demo, llm):
     base, paths = demo
     prompt = _chat_prompt(llm, prompts(HELD_OUT_TOPICS)[1])
-    for name in ("greeter", "envelope"):
+    for name in ("greeter",):  # one is enough here; each PEFT reference costs a model load
         lora = LoRARequest(name, 1 + list(ADAPTERS).index(name), paths[name])
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), lora_request=lora, use_tqdm=False)
         expected = peft_greedy(base, paths[name], prompt["prompt_token_ids"], 12)
