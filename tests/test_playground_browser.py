@@ -148,3 +148,41 @@ def test_reply_with_script_tag_renders_as_text(page):
     assert "<script>" in page.locator(".message.assistant pre code").last.text_content()
     assert page.locator("#messages script, #messages html, #messages body").count() == 0
     assert not dialogs
+
+
+def test_api_key_field(page, server: LiveServer):
+    # The page loads without a key; its calls carry the one typed into the key field.
+    server.ctx.api_key = "sekrit"
+    try:
+        page.reload()
+        page.wait_for_function("document.querySelector('#server-status').textContent === 'API key needed'")
+        page.fill("#api-key", "sekrit")
+        page.dispatch_event("#api-key", "change")
+        page.wait_for_function("document.querySelector('#server-status').textContent === ''")
+        _settings(page, temperature=0, max_tokens=4)
+        _send(page, QUESTION)
+        assert _wait_reply(page).strip()
+        assert page.locator(".message.assistant .error").count() == 0
+    finally:
+        server.ctx.api_key = None
+
+
+def test_edit_regenerate_and_server_errors(page):
+    _settings(page, temperature=0, max_tokens=6)
+    _send(page, QUESTION)
+    first = _wait_reply(page)
+    page.click("#regenerate")
+    assert _wait_reply(page) == first  # greedy: the same reply again, in place of the old one
+    assert page.locator(".message").count() == 2
+    page.click(".message.user .edit")
+    page.fill(".message.user textarea", "Tell me one fact about tea.")
+    page.click(".message.user button:has-text('Save & resend')")
+    _wait_reply(page)
+    assert page.locator(".message").count() == 2
+    assert page.locator(".message.user .body").text_content() == "Tell me one fact about tea."
+    # A request the server refuses shows the server's own message (here: context length).
+    _settings(page, max_tokens=100000)
+    _send(page, "Hello")
+    _wait_reply(page)
+    error = page.locator(".message.assistant .error").last.text_content()
+    assert error.startswith("400: ") and "maximum context length" in error, error
