@@ -393,14 +393,12 @@ void phase2(const Call<T, W>& C, const Seg& s, const Task& k, const float* t) {
   });
 }
 
-// Most rows per task of the transposed path; outside the #if because make_tasks names it on
-// every CPU (the path itself is AVX-512 only: without it the build failed on AVX2 machines).
-constexpr int kAtRows = 64;
 #if defined(__AVX512F__)
 // Phase 1 of a long float32 segment, 16 ranks at a time, without horizontal sums: 16 rows of
 // A are transposed into At (in, 16), then each step broadcasts x[i, l] and FMAs one vector
 // of 16 ranks, MT rows in flight (the dot-product kernel reduces W sums per 16 dots). The
 // transpose is done once per call and segment (phase 0), shared by every task of the segment.
+constexpr int kAtRows = 64;      // most rows per task
 // Shorter segments keep the dot-product kernel, which measured faster there at rank 16; from
 // rank 32 the transposed path wins from 32 rows (at 64 rows, rank 64: 0.81 vs 1.07 ms/layer).
 constexpr int kAtMinRows = 96;
