@@ -187,6 +187,16 @@ class EngineArgs:
         "adapters' dtype in the KV pool (auto: the model's; bfloat16 halves their memory)",
         group="LoRA adapters", choices=("auto", "float32", "bfloat16")))
 
+    structured_outputs_config: dict | str | None = field(default=None, metadata=_setting(
+        'structured outputs (JSON schema / regex / choice / grammar constraints), as JSON: '
+        '{"backend": "auto"|"llguidance"|"xgrammar", "compile_timeout_s": 10} (auto = llguidance)',
+        group="structured outputs", metavar="JSON",
+        vllm="same keys backend (llguidance, xgrammar; not outlines / guidance) and, pagedserve only, "
+             "compile_timeout_s"))
+    guided_decoding_backend: str | None = field(default=None, metadata=_setting(
+        "the structured outputs backend alone (vLLM's older flag)", group="structured outputs",
+        choices=("auto", "llguidance", "xgrammar"), vllm="same (vLLM <= 0.10)"))
+
     # vLLM settings with no effect in this engine: accepted so vLLM command lines and scripts
     # run unchanged (see docs/vllm_compatibility.md).
     trust_remote_code: bool = field(default=False, metadata=_setting(
@@ -297,7 +307,18 @@ class EngineArgs:
             device=self.device,
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
             if self.enable_lora else None,
+            structured_outputs=self._structured_outputs_config(),
         )
+
+    def _structured_outputs_config(self) -> Any:
+        from pagedserve.config import StructuredOutputsConfig
+
+        config = StructuredOutputsConfig.from_value(self.structured_outputs_config)
+        if self.guided_decoding_backend is not None:
+            if self.structured_outputs_config is not None:
+                raise ValueError("guided_decoding_backend: give it or structured_outputs_config, not both")
+            config = StructuredOutputsConfig(backend=self.guided_decoding_backend)
+        return config
 
 
     def _log_ignored(self) -> None:

@@ -45,12 +45,13 @@ class LLGuidanceMatcher:
 
 
 class LLGuidanceGrammar:
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
-        self._tokenizer = tokenizer
-        self._grammar = grammar
+    def __init__(self, initial: llguidance.LLMatcher) -> None:
+        # A matcher in its initial state, never advanced: each sequence gets a copy, which
+        # shares the compiled grammar and the lexer states built so far.
+        self._initial = initial
 
     def new_matcher(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(llguidance.LLMatcher(self._tokenizer, self._grammar, log_level=0, limits=_LIMITS))
+        return LLGuidanceMatcher(self._initial.deep_copy())
 
 
 class LLGuidanceBackend:
@@ -62,10 +63,10 @@ class LLGuidanceBackend:
 
     def compile(self, params: StructuredOutputsParams) -> LLGuidanceGrammar:
         grammar = self._grammar_text(params)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer, limits=_LIMITS)
-        if is_error:
-            raise GrammarError(f"invalid {params.kind}: {messages[0]}")
-        return LLGuidanceGrammar(self._tokenizer, grammar)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=_LIMITS)
+        if matcher.is_error():
+            raise GrammarError(f"invalid {params.kind}: {matcher.get_error()}")
+        return LLGuidanceGrammar(matcher)
 
     @staticmethod
     def _grammar_text(params: StructuredOutputsParams) -> str:
