@@ -124,7 +124,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "send exactly one of prompt and messages", "prompt")
     if body.messages is not None:
-        tokens = render_chat(ctx, body.messages, body.add_generation_prompt)
+        tokens = render_chat(ctx, body)
     else:
         tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return JSONResponse({"count": len(tokens), "max_model_len": ctx.engine.max_model_len, "tokens": tokens})

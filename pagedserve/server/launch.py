@@ -40,6 +40,8 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
     names = args.served_model_name or [default_name]
     if getattr(args, "lora_modules", None) and not engine_args.enable_lora:
         raise SystemExit("--lora-modules needs --enable-lora")
+    if getattr(args, "enable_auto_tool_choice", False) and getattr(args, "tool_call_parser", None) is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
     engine = LLMEngine(engine_args.create_engine_config())
     metrics = ServerMetrics(names[0])
     loras = LoRARegistry(
@@ -60,6 +62,8 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
         chat_template=load_chat_template(args.chat_template),
         max_queue_len=args.max_queue_len,
         loras=loras,
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
     )
 
 

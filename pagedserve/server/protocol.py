@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 # OpenAI allows up to 20 top logprobs; the engine's sampler returns at most that many.
 MAX_LOGPROBS = 20
@@ -31,6 +31,40 @@ def now_s() -> int:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsIn(BaseModel):
+    """vLLM's structured_outputs field; exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
+# The request fields that carry an output constraint, in the order they are looked at.
+CONSTRAINT_FIELDS = ("structured_outputs", "response_format", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar")
 
 
 class SamplingRequest(BaseModel):
@@ -60,9 +94,33 @@ class SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    # Structured outputs (OpenAI's response_format, vLLM's structured_outputs and guided_*)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsIn | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def output_constraint(self) -> tuple[StructuredOutputsParams, str] | None:
+        """(constraint, the field it came from), or None; ValueError naming the field."""
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(f"{given[0]}: set only one of {', '.join(given)}")
+        name = given[0]
+        try:
+            return _constraint(self, name), name
+        except ValueError as exc:
+            message = str(exc).replace("structured_outputs", name, 1) if name != "structured_outputs" else str(exc)
+            raise ValueError(message if message.startswith(name) else f"{name}: {message}") from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """One engine request's parameters (n=1: the server fans out); raises ValueError."""
+        constraint = self.output_constraint()
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -82,7 +140,26 @@ class SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=_logit_bias(self.logit_bias),
             output_kind="delta",
+            structured_outputs=constraint[0] if constraint is not None else None,
         )
+
+
+def _constraint(body: SamplingRequest, name: str) -> StructuredOutputsParams:
+    if name == "structured_outputs":
+        so = body.structured_outputs
+        assert so is not None
+        return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                       json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
+    if name == "response_format":
+        fmt = body.response_format
+        assert fmt is not None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ValueError("response_format: type json_schema needs json_schema.schema")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+    kind = name.removeprefix("guided_")
+    return StructuredOutputsParams(**{kind: getattr(body, name)})
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -108,10 +185,24 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # The agent loop: an assistant turn's calls, and a tool result's call id.
+    tool_calls: list[ToolCallOut] | None = None
+    tool_call_id: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -120,7 +211,32 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -130,6 +246,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(BaseModel):
@@ -194,9 +313,28 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCallOut(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatDeltaOut(BaseModel):
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -220,7 +358,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: ChatMessageOut
+    delta: ChatDeltaOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -6,6 +6,11 @@ bitmask.py (apply a step's token bitmask to the logits).
 """
 
 from pagedserve.structured_outputs.backend import GrammarError
-from pagedserve.structured_outputs.manager import BACKENDS, DEFAULT_BACKEND, RequestGrammar, StructuredOutputManager
+from pagedserve.structured_outputs.manager import (
+    BACKENDS,
+    DEFAULT_BACKEND,
+    RequestGrammar,
+    StructuredOutputManager,
+)
 
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "GrammarError", "RequestGrammar", "StructuredOutputManager"]

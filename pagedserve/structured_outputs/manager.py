@@ -24,7 +24,13 @@ from typing import Any
 import torch
 
 from pagedserve.sampling_params import StructuredOutputsParams
-from pagedserve.structured_outputs.backend import CompiledGrammar, GrammarBackend, GrammarError, GrammarMatcher, load_backend
+from pagedserve.structured_outputs.backend import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarError,
+    GrammarMatcher,
+    load_backend,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +66,7 @@ class StructuredOutputManager:
         key = params.key()
         with self._lock:
             future = self._cache.get(key)
-            if future is not None:
+            if future is not None and not future.cancelled():
                 self._cache.move_to_end(key)
                 return future
             future = Future()
