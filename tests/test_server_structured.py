@@ -150,6 +150,29 @@ def test_streamed_tool_calls_reassemble(server: LiveServer, client: openai.OpenA
     _no_leak(server)
 
 
+def test_auto_tool_choice_parses_hermes_calls(server: LiveServer, client: openai.OpenAI) -> None:
+    # The random model is steered into the hermes format by a regex, so "auto" has a call to find.
+    regex = (r'OK\. <tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Za-z]{1,8}", '
+             r'"unit": "(celsius|fahrenheit)"\}\}\n</tool_call>')
+    kwargs = dict(model=TEST_MODEL, messages=MESSAGES, tools=[WEATHER], max_tokens=80, temperature=0.0,
+                  extra_body={"guided_regex": regex})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "OK."
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    content, args, names, finish = "", "", [], None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                names += [d.function.name] if d.function.name else []
+                args += d.function.arguments or ""
+    assert (content.strip(), names, args, finish) == ("OK.", ["get_weather"], call.function.arguments, "tool_calls")
+    _no_leak(server)
+
+
 def test_agent_loop_messages_render(server: LiveServer, client: openai.OpenAI) -> None:
     messages = [*MESSAGES,
                 {"role": "assistant", "content": None, "tool_calls": [
