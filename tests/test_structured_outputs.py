@@ -227,3 +227,30 @@ def test_xgrammar_backend_same_validity(model_path):
                         use_tqdm=False)
     jsonschema.validate(json.loads(outs[0].outputs[0].text), PERSON)
     assert re.fullmatch(r"[a-c]{2,5}!", outs[1].outputs[0].text)
+
+
+def test_lora_and_base_rows_constrained_in_one_batch(model_path, tmp_path):
+    from lora_utils import make_peft_adapter
+
+    from pagedserve import LoRARequest
+
+    base = model_path(MODEL)
+    adapter = LoRARequest("a", 1, make_peft_adapter(base, None, 8, ["q_proj", "v_proj", "down_proj"], seed=3))
+    llm = LLM(base, max_model_len=256, kv_cache_memory_bytes=32 << 20, enable_lora=True, max_loras=2)
+    params = [_person(temperature=1.0, seed=i) for i in range(4)]
+    outs = llm.generate(["p"] * 4, params, use_tqdm=False, lora_request=[adapter, None, adapter, None])
+    for out in outs:
+        jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+
+
+def test_chat_with_tools_renders_them(llm):
+    from pagedserve.entrypoints.chat_utils import ChatTemplateError, builtin_template_path
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "weather?"}]
+    with pytest.raises(ChatTemplateError, match="--chat-template"):
+        llm.chat(messages, SamplingParams(max_tokens=2), tools=tools, use_tqdm=False)
+    with open(builtin_template_path()) as f:
+        template = f.read()
+    out = llm.chat(messages, SamplingParams(max_tokens=2), tools=tools, chat_template=template, use_tqdm=False)[0]
+    assert '"name": "get_weather"' in out.prompt and "<tools>" in out.prompt
