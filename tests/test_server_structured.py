@@ -39,6 +39,9 @@ SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 
                                            "tag": {"type": "string", "maxLength": 6}},
           "required": ["id", "tag"], "additionalProperties": False}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+DEEP: dict = {"type": "string"}
+for _ in range(300):
+    DEEP = {"type": "object", "properties": {"a": DEEP}, "required": ["a"]}
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +106,7 @@ def test_chat_response_format_and_structured_outputs(server: LiveServer, client:
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex"),
     ({"structured_outputs": {"json": {}, "no_such_option": 1}}, "structured_outputs"),
+    ({"guided_json": DEEP}, "guided_json"),  # too deep for the backend
 ])
 def test_bad_constraint_is_400_naming_the_field(server: LiveServer, body: dict, param: str) -> None:
     r = httpx.post(server.v1 + "/completions", json={"model": TEST_MODEL, "prompt": "x", **body})
@@ -192,7 +196,11 @@ def test_agent_loop_messages_render(server: LiveServer, client: openai.OpenAI) -
 
 
 def test_template_without_tools_and_auto_without_parser_are_400() -> None:
-    with running_server([TEST_MODEL, *SERVE_ARGS]) as live:
+    # (This server also has a compile timeout too short for any new grammar.)
+    with running_server([TEST_MODEL, *SERVE_ARGS, "--structured-outputs-config", '{"compile_timeout_s": 1e-6}']) as live:
+        r = httpx.post(live.v1 + "/completions", json={"model": TEST_MODEL, "prompt": "x", "guided_regex": "[ab]{3}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
+        assert "took longer" in r.json()["error"]["message"]
         body = {"model": TEST_MODEL, "messages": MESSAGES, "tools": [WEATHER], "tool_choice": "required"}
         r = httpx.post(live.v1 + "/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools"

@@ -209,6 +209,15 @@ def test_bad_constraints_fail_alone_naming_the_kind(llm):
     assert llm.generate("x", _person(temperature=0.0), use_tqdm=False)[0].outputs[0].finish_reason == "stop"
 
 
+def test_compile_timeout_fails_the_request(model_path):
+    llm = LLM(model_path(MODEL), max_model_len=128, kv_cache_memory_bytes=4 << 20,
+              structured_outputs_config='{"backend": "llguidance", "compile_timeout_s": 1e-6}')
+    with pytest.raises(GrammarError, match="took longer"):
+        llm.generate("x", _person(), use_tqdm=False)
+    with pytest.raises(ValueError, match="backend"):
+        LLM(model_path(MODEL), structured_outputs_config={"backend": "outlines"})
+
+
 def test_gbnf_and_lark_grammars(llm):
     lark = 'start: "(" item ("," item)* ")"\nitem: /[a-z]{1,3}/'
     gbnf = 'root ::= "<" [0-9] [0-9]? ">"'
