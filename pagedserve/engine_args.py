@@ -314,10 +314,12 @@ class EngineArgs:
         from pagedserve.config import StructuredOutputsConfig
 
         config = StructuredOutputsConfig.from_value(self.structured_outputs_config)
-        if self.guided_decoding_backend is not None:
+        backend = self.guided_decoding_backend
+        if backend is not None and backend != config.backend:
             if self.structured_outputs_config is not None:
-                raise ValueError("guided_decoding_backend: give it or structured_outputs_config, not both")
-            config = StructuredOutputsConfig(backend=self.guided_decoding_backend)
+                raise ValueError(f"guided_decoding_backend ({backend}) contradicts structured_outputs_config "
+                                 f"(backend {config.backend}); give one of them")
+            config = StructuredOutputsConfig(backend=backend, compile_timeout_s=config.compile_timeout_s)
         return config
 
 

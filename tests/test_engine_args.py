@@ -25,7 +25,8 @@ def test_every_cli_setting_round_trips_through_its_flag() -> None:
             "--max-cpu-loras", "9", "--lora-dtype", "bfloat16", "--skip-tokenizer-init",
             "--gpu-memory-utilization", "0.5", "--trust-remote-code", "--enforce-eager",
             "--load-format", "gguf", "--tokenizer-mode", "slow", "--disable-log-stats",
-            "--scheduling-policy", "priority"]
+            "--scheduling-policy", "priority",
+            "--structured-outputs-config", '{"backend": "xgrammar"}', "--guided-decoding-backend", "xgrammar"]
     args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
     defaults = EngineArgs()
     for name in cli_flag_names():

@@ -239,9 +239,9 @@ def test_xgrammar_backend_same_validity(model_path):
 
 
 def test_lora_and_base_rows_constrained_in_one_batch(model_path, tmp_path):
-    from lora_utils import make_peft_adapter
-
     from pagedserve import LoRARequest
+
+    from lora_utils import make_peft_adapter
 
     base = model_path(MODEL)
     adapter = LoRARequest("a", 1, make_peft_adapter(base, None, 8, ["q_proj", "v_proj", "down_proj"], seed=3))
