@@ -155,7 +155,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     ctx = get_ctx(request)
     ctx.resolve_model(body.model)
     if isinstance(body, TokenizeChatRequest):
-        tokens = await render_chat(ctx, body.messages, body.add_generation_prompt)
+        tokens = await render_chat(ctx, body)
     else:
         ctx.check_prompt_chars(len(body.prompt), "prompt")
         tokens = await ctx.off_loop(ctx.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
