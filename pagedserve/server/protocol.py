@@ -44,22 +44,26 @@ def now_s() -> int:
 
 
 def _find_surrogate(value: Any) -> bool:
-    """True if any string inside `value` holds a lone surrogate (not encodable as UTF-8)."""
-    if isinstance(value, str):
-        if value.isascii():
-            return False
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, list | tuple):
-        # Lists are homogeneous here: a list of token ids holds no text (and may be long).
-        if not value or isinstance(value[0], int | float):
-            return False
-        return any(_find_surrogate(v) for v in value)
-    if isinstance(value, dict):
-        return any(_find_surrogate(k) or _find_surrogate(v) for k, v in value.items())
+    """True if any string inside `value` holds a lone surrogate (not encodable as UTF-8).
+
+    Iterative: a JSON schema may nest deeper than Python's recursion limit.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(item, list | tuple):
+            # Lists are homogeneous here: a list of token ids holds no text (and may be long).
+            if item and not isinstance(item[0], int | float):
+                stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
     return False
 
 
