@@ -4,9 +4,9 @@
 setup:
 	@bash scripts/setup.sh
 
-# SmolLM2-135M-Instruct (the default model) as "smollm2-135m-instruct" on 127.0.0.1:8000.
+# SmolLM2-135M-Instruct with the demo LoRA adapters (trained once, cached; see pagedserve/demo_adapters.py).
 serve: setup
-	.venv/bin/pagedserve serve
+	.venv/bin/pagedserve serve $$(.venv/bin/python -m pagedserve.demo_adapters serve-args)
 
 demo: setup
 	.venv/bin/python -m pagedserve.entrypoints.demo

@@ -181,6 +181,49 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's --structured-outputs-config: {"backend": ..., "compile_timeout_s": ...}."""
+
+    # "auto" = llguidance (faster to compile, see BENCHMARKS.md), "llguidance" or "xgrammar".
+    backend: str = "auto"
+    # A grammar that takes longer to compile fails its request (a 400), not the batch.
+    compile_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "llguidance", "xgrammar"):
+            raise ValueError(
+                f"structured_outputs_config.backend must be 'auto', 'llguidance' or 'xgrammar', got {self.backend!r}"
+            )
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"structured_outputs_config.compile_timeout_s must be > 0, got {self.compile_timeout_s}")
+
+    @classmethod
+    def from_value(cls, value: StructuredOutputsConfig | dict | str | None) -> StructuredOutputsConfig:
+        """From a config, a dict, or its JSON text (the CLI flag); unknown keys are refused."""
+        import json
+
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("structured_outputs_config must be a JSON object")
+        unknown = set(value) - {"backend", "compile_timeout_s"}
+        if unknown:
+            raise ValueError(f"structured_outputs_config: unknown keys {sorted(unknown)} (known: backend, compile_timeout_s)")
+        return cls(**value)
+
+    @property
+    def resolved_backend(self) -> str:
+        return "llguidance" if self.backend == "auto" else self.backend
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -188,6 +231,7 @@ class EngineConfig:
     device: str = "auto"
     lora: LoRAConfig | None = None  # None: LoRA off
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         if self.speculative is not None and (

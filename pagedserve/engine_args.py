@@ -226,6 +226,16 @@ class EngineArgs:
         "where replicas run: ray (a local Ray cluster, or the one RAY_ADDRESS names)",
         group="distributed", choices=("ray",)))
 
+    structured_outputs_config: dict | str | None = field(default=None, metadata=_setting(
+        'structured outputs (JSON schema / regex / choice / grammar constraints), as JSON: '
+        '{"backend": "auto"|"llguidance"|"xgrammar", "compile_timeout_s": 10} (auto = llguidance)',
+        group="structured outputs", metavar="JSON",
+        vllm="same keys backend (llguidance, xgrammar; not outlines / guidance) and, pagedserve only, "
+             "compile_timeout_s"))
+    guided_decoding_backend: str | None = field(default=None, metadata=_setting(
+        "the structured outputs backend alone (vLLM's older flag)", group="structured outputs",
+        choices=("auto", "llguidance", "xgrammar"), vllm="same (vLLM <= 0.10)"))
+
     # vLLM settings with no effect in this engine: accepted so vLLM command lines and scripts
     # run unchanged (see docs/vllm_compatibility.md).
     trust_remote_code: bool = field(default=False, metadata=_setting(
@@ -345,7 +355,20 @@ class EngineArgs:
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
             if self.enable_lora else None,
             speculative=SpeculativeConfig.from_value(self.speculative_config),
+            structured_outputs=self._structured_outputs_config(),
         )
+
+    def _structured_outputs_config(self) -> Any:
+        from pagedserve.config import StructuredOutputsConfig
+
+        config = StructuredOutputsConfig.from_value(self.structured_outputs_config)
+        backend = self.guided_decoding_backend
+        if backend is not None and backend != config.backend:
+            if self.structured_outputs_config is not None:
+                raise ValueError(f"guided_decoding_backend ({backend}) contradicts structured_outputs_config "
+                                 f"(backend {config.backend}); give one of them")
+            config = StructuredOutputsConfig(backend=backend, compile_timeout_s=config.compile_timeout_s)
+        return config
 
 
     def _log_ignored(self) -> None:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.structured_outputs.manager import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -75,6 +79,9 @@ class Request:
     sample_index: int = 0
     # Beam search chooses this request's tokens itself (the engine's BeamGroup).
     is_beam: bool = False
+    # Structured outputs: this sequence's grammar matcher (an opaque handle; the model
+    # runner asks it for the allowed tokens), None when the output is free.
+    grammar: RequestGrammar | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -33,6 +34,67 @@ class RequestOutputKind(enum.IntEnum):
 _OUTPUT_KINDS = {"cumulative": "cumulative", "delta": "delta", "final_only": "final_only",
                  RequestOutputKind.CUMULATIVE: "cumulative", RequestOutputKind.DELTA: "delta",
                  RequestOutputKind.FINAL_ONLY: "final_only"}
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's fields); exactly one kind is set.
+
+    json: a JSON schema (dict or its text); json_object: any JSON object; regex: a regular
+    expression the whole output matches; choice: the output is one of these strings;
+    grammar: a Lark grammar (llguidance's dialect) or a GBNF/EBNF grammar (`root ::= ...`).
+    disable_any_whitespace: JSON without free whitespace (compact separators).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in _KINDS if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar or "
+                f"json_object, got {kinds or 'none'}"
+            )
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    loaded = json.loads(self.json)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            else:
+                loaded = self.json
+            if not isinstance(loaded, dict | bool):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError("structured_outputs.regex must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list | tuple) or not self.choice
+            or any(not isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError("structured_outputs.grammar must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _KINDS if getattr(self, name) not in (None, False))
+
+    def key(self) -> tuple[str, str, bool]:
+        """(kind, canonical spec text, compact JSON): what a compiled grammar is cached by."""
+        value: Any = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            value = json.loads(value)
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        return self.kind, text, self.disable_any_whitespace
+
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM <= 0.11 called it GuidedDecodingParams; scripts written for it keep working.
+GuidedDecodingParams = StructuredOutputsParams
+STRUCTURED_OUTPUTS_FIELDS = tuple(f.name for f in fields(StructuredOutputsParams))
 
 
 @dataclass
@@ -75,6 +137,10 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # Free-form data for extensions, carried with the request and never read by the engine.
     extra_args: dict[str, Any] | None = None
+    # A grammar the output must follow (JSON schema, regex, choice, grammar).
+    structured_outputs: StructuredOutputsParams | None = None
+    # vLLM <= 0.11's name for the same field; folded into structured_outputs.
+    guided_decoding: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +155,12 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind or 'cumulative', 'delta', "
                              f"'final_only'; got {self.output_kind!r}.")
         self.output_kind = _OUTPUT_KINDS[self.output_kind]
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None and self.structured_outputs != self.guided_decoding:
+                raise ValueError("set structured_outputs or guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
         self._validate()
         self._validate_extras()
 

@@ -310,8 +310,7 @@ def test_openapi_document_describes_the_server(server: LiveServer) -> None:
 # naming it, never silently ignored (issue #16.6). Structured outputs (response_format,
 # tools, guided_*, structured_outputs) and prompt_logprobs leave this list when implemented.
 UNSUPPORTED = [
-    "response_format", "tools", "tool_choice", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "structured_outputs", "prompt_logprobs", "continue_final_message", "chat_template_kwargs",
+    "prompt_logprobs", "continue_final_message", "chat_template_kwargs",
     "return_tokens_as_token_ids", "priority", "suffix", "no_such_field",
 ]
 

@@ -370,6 +370,7 @@ class _FakeEngine:
     tokenizer = None
     max_model_len = 64
     vocab_size = 100
+    structured_outputs = None  # no grammar manager (no tokenizer)
 
     def __init__(self, step_fn=None) -> None:
         self.requests: dict[str, int] = {}

@@ -46,6 +46,10 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    def num_evictable_cached_blocks(self) -> int:
+        """Unreferenced blocks that still hold a cached prefix (O(free blocks); for on-demand stats)."""
+        return sum(1 for b in self._free if self.block_hash[b] is not None)
+
     @property
     def usage(self) -> float:
         """Fraction of blocks in use, in [0, 1]."""

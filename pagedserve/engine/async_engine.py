@@ -127,6 +127,8 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        # Thread-safe: handlers compile grammars through it before queueing (cache shared).
+        self.structured_outputs = engine.structured_outputs
         self.observer = observer or EngineObserver()
         self.stall_timeout_s = stall_timeout_s
         self.stats: EngineStats = engine.get_stats()

@@ -29,6 +29,7 @@ from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.draft_model import DraftModelProposer
 from pagedserve.spec_decode.speculator import Speculator
+from pagedserve.structured_outputs import RequestGrammar, StructuredOutputManager
 from pagedserve.worker.kv_cache import default_kv_cache_bytes, kv_cache_bytes_for_utilization
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -105,6 +106,11 @@ class LLMEngine:
         self.speculator = self._start_speculator()
         self.lora_manager = self._start_lora() if config.lora is not None else None
         self.output_processor = OutputProcessor(self.tokenizer)
+        so_config = config.structured_outputs
+        self.structured_outputs = None if self.tokenizer is None else StructuredOutputManager(
+            so_config.resolved_backend, self.tokenizer, self.vocab_size, self.eos_token_id,
+            so_config.compile_timeout_s,
+        )
         self._groups: dict[str, SampleGroup] = {}
         self.beam_search = BeamSearchDriver(self.scheduler, self.tokenizer)
         self._next_request_id = 0
@@ -247,6 +253,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.num_samples > 1 and params.output_kind == "delta" and params.num_samples > params.n:
             raise ValueError("best_of > n cannot be streamed: the best samples are known only at the end")
+        grammar = self._compile_grammar(params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         max_output = min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids))
 
@@ -256,6 +263,8 @@ class LLMEngine:
                 eos_token_id=self.eos_token_id, prompt=prompt_text, cache_salt=cache_salt,
                 max_output_tokens=max_output, arrival_time=arrival, group_id=group, sample_index=index,
                 lora_id=lora_id, bad_words_token_ids=bad_words, priority=priority,
+                # Each sample follows the grammar with its own matcher.
+                grammar=RequestGrammar(grammar, self.eos_token_id) if grammar is not None else None,
             )
 
         if params.num_samples == 1:
@@ -301,6 +310,19 @@ class LLMEngine:
         if not extra or params.ignore_eos:
             return params
         return replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
+
+    def _compile_grammar(self, params: SamplingParams) -> Any:
+        """The request's compiled grammar (cached; the server compiled it already), or None.
+
+        Raises GrammarError (a ValueError) naming the constraint when it is invalid or its
+        compilation times out, before anything is queued.
+        """
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.structured_outputs is None:
+            raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init=False)")
+        return self.structured_outputs.compile(spec)
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

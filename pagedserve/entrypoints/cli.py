@@ -34,6 +34,8 @@ def _group(parser: argparse.ArgumentParser, title: str) -> Any:
 
 
 def _serve_parser(sub: Any) -> argparse.ArgumentParser:
+    from pagedserve.tool_parsers import TOOL_PARSERS
+
     parser = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                             description="Serve a model over an OpenAI-compatible HTTP API.")
     add_engine_args(parser)
@@ -46,6 +48,12 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDSERVE_API_KEY)")
     group.add_argument("--chat-template", default=None,
                        help="chat template (a Jinja file, or the template itself) overriding the tokenizer's")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let tool_choice "auto" (the default with tools) parse tool calls out of the '
+                            "model's text with --tool-call-parser")
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="format of the model's tool calls (hermes: <tool_call>{...}</tool_call>, as "
+                            "Qwen2.5 / Hermes / SmolLM; use a --chat-template that renders tools)")
     group.add_argument("--max-queue-len", type=int, default=None,
                        help="answer 503 while this many requests are waiting (default: unbounded)")
     group.add_argument("--stall-timeout", type=float, default=60.0,

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from pagedserve.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedserve.engine.llm_engine import LLMEngine, PromptInput
 from pagedserve.engine_args import EngineArgs
+from pagedserve.entrypoints.chat_utils import render_chat
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -123,22 +124,23 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to each conversation, then generates."""
+        """Applies the chat template to each conversation, then generates.
+
+        tools: OpenAI-style tool definitions, rendered by the template (which must know
+        tools: see pagedserve/chat_templates/hermes_tools.jinja); assistant messages may
+        carry tool_calls and role "tool" messages their results.
+        """
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was given)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptInput] = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-            )
-            # The template already placed any BOS token; do not add a second one.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            text, token_ids = render_chat(tokenizer, conversation, chat_template=chat_template, tools=tools,
+                                          add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(

@@ -41,6 +41,8 @@ def build_sampling_metadata(
     max_logprobs = max(
         (vocab_size if p.logprobs == -1 else p.logprobs for p in params if p.logprobs is not None), default=None
     )
+    # Before the biases: it brings each matcher up to date (min_tokens asks whether it ended).
+    grammar_bitmask = _grammar_bitmask(requests, vocab_size, device)
     return SamplingMetadata(
         num_rows=n,
         all_greedy=all_greedy,
@@ -53,7 +55,23 @@ def build_sampling_metadata(
         penalties=_penalties(requests, vocab_size, device),
         logit_bias=_logit_bias(requests, vocab_size, device),
         max_num_logprobs=max_logprobs,
+        grammar_bitmask=grammar_bitmask,
     )
+
+
+def _grammar_bitmask(
+    requests: list[Request], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each constrained row's allowed tokens, filled by its own matcher (host, then one copy)."""
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return None
+    bitmask = torch.empty(len(rows), (vocab_size + 31) // 32, dtype=torch.int32)
+    for index, row in enumerate(rows):
+        request = requests[row]
+        assert request.grammar is not None
+        request.grammar.fill_bitmask(request.output_token_ids, bitmask, index)
+    return torch.tensor(rows, dtype=torch.int64, device=device), bitmask.to(device)
 
 
 def _generator_for(request: Request, generators: dict[str, torch.Generator], device: torch.device) -> torch.Generator:
@@ -112,7 +130,9 @@ def _logit_bias(
                 rows.append(row)
                 cols.append(token_id)
                 values.append(float(bias))
-        if request.num_output_tokens < p.min_tokens:
+        grammar_done = request.grammar is not None and request.grammar.is_terminated()
+        if request.num_output_tokens < p.min_tokens and not grammar_done:
+            # (A complete grammar allows only EOS: the grammar wins over min_tokens.)
             # min_tokens: the request may not stop yet, so its stop tokens are banned.
             banned = set(p.stop_token_ids or [])
             if not p.ignore_eos and request.eos_token_id is not None:

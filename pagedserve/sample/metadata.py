@@ -36,3 +36,6 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     # Largest `logprobs` any row asked for; None if no row wants logprobs.
     max_num_logprobs: int | None
+    # Structured outputs: (rows (R,) int64, bitmask (R, ceil(V/32)) int32) of the tokens
+    # each constrained row may take; None when no row is constrained.
+    grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None

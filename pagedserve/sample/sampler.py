@@ -1,6 +1,8 @@
 """Batched sampling: penalties, temperature, top-k/top-p/min-p, seeded draws, logprobs.
 
-Order, as in vLLM: logprobs come from the raw logits; then logit bias (and min_tokens'
+Order, as in vLLM: a structured-output request's grammar mask comes first (disallowed
+tokens get -inf, so they are never drawn and their logprob is -inf); logprobs come from
+those logits; then logit bias (and min_tokens'
 ban on stop tokens), penalties, temperature, truncation, and the draw. Sampling uses the
 exponential race (argmax of p / q, q ~ Exp(1)), which draws from p exactly and lets a
 seeded request take its noise from its own generator, so its tokens do not depend on
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.sample.metadata import PenaltyInputs, SamplingMetadata
+from pagedserve.structured_outputs.bitmask import apply_token_bitmask
 
 
 @dataclass(slots=True)
@@ -57,6 +60,8 @@ class Sampler:
 
     def _prepare(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor | None:
         """Raw logprobs (if asked for), then logit bias and penalties, in place."""
+        if meta.grammar_bitmask is not None:
+            apply_token_bitmask(logits, *meta.grammar_bitmask)
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         )

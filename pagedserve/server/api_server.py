@@ -2,6 +2,7 @@
 
     /v1/completions /v1/chat/completions /v1/models    (Bearer auth when an API key is set)
     /health /metrics /tokenize /detokenize /version
+    /  /v1/stats                                       (the playground, server/playground.py)
 
 Life of a request: pydantic parses the body (errors -> 400), the handler checks the model
 and the context length, fans out n / best_of / several prompts into engine requests added
@@ -30,6 +31,7 @@ from pagedserve.server.lora_admin import (
     unload_adapter,
 )
 from pagedserve.server.metrics import CONTENT_TYPE
+from pagedserve.server.playground import install_playground
 from pagedserve.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -153,7 +155,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     ctx = get_ctx(request)
     ctx.resolve_model(body.model)
     if isinstance(body, TokenizeChatRequest):
-        tokens = await render_chat(ctx, body.messages, body.add_generation_prompt)
+        tokens = await render_chat(ctx, body)
     else:
         ctx.check_prompt_chars(len(body.prompt), "prompt")
         tokens = await ctx.off_loop(ctx.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
@@ -209,4 +211,5 @@ def build_app(ctx: ServerContext) -> FastAPI:
     install_error_handlers(app)
     app.include_router(v1)
     app.include_router(root)
+    install_playground(app, check_api_key)
     return app

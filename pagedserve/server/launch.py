@@ -40,6 +40,8 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
     names = args.served_model_name or [default_name]
     if getattr(args, "lora_modules", None) and not engine_args.enable_lora:
         raise SystemExit("--lora-modules needs --enable-lora")
+    if getattr(args, "enable_auto_tool_choice", False) and getattr(args, "tool_call_parser", None) is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
     metrics = ServerMetrics(names[0])
     if engine_args.data_parallel_size > 1 or engine_args.distributed_executor_backend is not None:
         from pagedserve.distributed.launch import build_replica_set
@@ -68,6 +70,8 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
         max_queue_len=args.max_queue_len,
         loras=loras,
         sampling_defaults=dict(engine.source.sampling_defaults),
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
     )
 
 

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-from pagedserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from pagedserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
 
 # OpenAI allows up to 20 top logprobs; the engine's sampler returns at most that many.
 MAX_LOGPROBS = 20
@@ -44,22 +44,26 @@ def now_s() -> int:
 
 
 def _find_surrogate(value: Any) -> bool:
-    """True if any string inside `value` holds a lone surrogate (not encodable as UTF-8)."""
-    if isinstance(value, str):
-        if value.isascii():
-            return False
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, list | tuple):
-        # Lists are homogeneous here: a list of token ids holds no text (and may be long).
-        if not value or isinstance(value[0], int | float):
-            return False
-        return any(_find_surrogate(v) for v in value)
-    if isinstance(value, dict):
-        return any(_find_surrogate(k) or _find_surrogate(v) for k, v in value.items())
+    """True if any string inside `value` holds a lone surrogate (not encodable as UTF-8).
+
+    Iterative: a JSON schema may nest deeper than Python's recursion limit.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(item, list | tuple):
+            # Lists are homogeneous here: a list of token ids holds no text (and may be long).
+            if item and not isinstance(item[0], int | float):
+                stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
     return False
 
 
@@ -78,6 +82,40 @@ class StrictRequest(BaseModel):
 
 class StreamOptions(StrictRequest):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(StrictRequest):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class ResponseFormat(StrictRequest):
+    """OpenAI's response_format: text, json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsIn(StrictRequest):
+    """vLLM's structured_outputs field; exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
+# The request fields that carry an output constraint, in the order they are looked at.
+CONSTRAINT_FIELDS = ("structured_outputs", "response_format", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar")
 
 
 class SamplingRequest(StrictRequest):
@@ -105,6 +143,29 @@ class SamplingRequest(StrictRequest):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    # Structured outputs (OpenAI's response_format, vLLM's structured_outputs and guided_*)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsIn | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def output_constraint(self) -> tuple[StructuredOutputsParams, str] | None:
+        """(constraint, the field it came from), or None; ValueError naming the field."""
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(f"{given[0]}: set only one of {', '.join(given)}")
+        name = given[0]
+        try:
+            return _constraint(self, name), name
+        except ValueError as exc:
+            message = str(exc).replace("structured_outputs", name, 1) if name != "structured_outputs" else str(exc)
+            raise ValueError(message if message.startswith(name) else f"{name}: {message}") from None
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None
@@ -120,6 +181,7 @@ class SamplingRequest(StrictRequest):
             value = getattr(self, name)
             return value if value is not None else defaults.get(name, fallback)
 
+        constraint = self.output_constraint()
         return SamplingParams(
             temperature=pick("temperature", 1.0),
             top_p=pick("top_p", 1.0),
@@ -139,7 +201,26 @@ class SamplingRequest(StrictRequest):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=_logit_bias(self.logit_bias),
             output_kind="delta",
+            structured_outputs=constraint[0] if constraint is not None else None,
         )
+
+
+def _constraint(body: SamplingRequest, name: str) -> StructuredOutputsParams:
+    if name == "structured_outputs":
+        so = body.structured_outputs
+        assert so is not None
+        return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                       json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
+    if name == "response_format":
+        fmt = body.response_format
+        assert fmt is not None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ValueError("response_format: type json_schema needs json_schema.schema")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+    kind = name.removeprefix("guided_")
+    return StructuredOutputsParams(**{kind: getattr(body, name)})
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -166,10 +247,24 @@ class TextPart(StrictRequest):
     text: str
 
 
+class FunctionCall(StrictRequest):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(StrictRequest):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictRequest):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # The agent loop: an assistant turn's calls, and a tool result's call id.
+    tool_calls: list[ToolCallOut] | None = None
+    tool_call_id: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -178,6 +273,10 @@ class ChatMessage(StrictRequest):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
     @property
@@ -185,6 +284,27 @@ class ChatMessage(StrictRequest):
         if isinstance(self.content, list):
             return sum(len(part.text) for part in self.content)
         return len(self.content or "")
+
+
+class FunctionDefinition(StrictRequest):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(StrictRequest):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictRequest):
+    name: str
+
+
+class NamedToolChoice(StrictRequest):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -195,6 +315,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeCompletionRequest(StrictRequest):
@@ -290,9 +413,28 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCallOut(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatDeltaOut(BaseModel):
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -316,7 +458,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: ChatMessageOut
+    delta: ChatDeltaOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from pagedserve.engine.async_engine import RequestGroup
+from pagedserve.entrypoints import chat_utils
 from pagedserve.outputs import CompletionOutput, Logprob
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import (
@@ -19,79 +21,98 @@ from pagedserve.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatDeltaOut,
     ChatLogprobs,
-    ChatMessage,
     ChatMessageOut,
+    DeltaFunctionCall,
+    DeltaToolCallOut,
+    FunctionCall,
     TokenLogprob,
+    ToolCallOut,
     TopLogprob,
     Usage,
     random_id,
 )
 from pagedserve.server.serving_common import (
+    MIN_LOGPROB,
     SSE_DONE,
     ChoiceState,
     ServerContext,
     check_context_length,
     check_not_failed,
     collect,
+    compile_constraint,
     fan_out,
+    json_logprob,
     make_params,
     sse,
     sse_error,
     submit,
     token_text,
 )
+from pagedserve.server.tool_calls import ToolMode, ToolStream
 
 
-async def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+class TokenizeRequestLike(Protocol):
+    messages: Any
+    add_generation_prompt: bool
+
+
+async def render_chat(ctx: ServerContext, body: ChatCompletionRequest | TokenizeRequestLike) -> list[int]:
     """Token ids of the templated conversation (the --chat-template override wins), rendered
     and tokenized off the event loop, after refusing messages too long to fit."""
-    ctx.check_prompt_chars(sum(m.num_chars for m in messages), "messages")
-    return await ctx.off_loop(_render, ctx, messages, add_generation_prompt)
+    ctx.check_prompt_chars(sum(m.num_chars for m in body.messages or []), "messages")
+    return await ctx.off_loop(_render, ctx, body)
 
 
-def _render(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    tokenizer = ctx.tokenizer
-    template = ctx.chat_template
-    if template is None and not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model's tokenizer has no chat template; start the server with "
-                       "--chat-template", "messages")
+def _render(ctx: ServerContext, body: ChatCompletionRequest | TokenizeRequestLike) -> list[int]:
+    tools = [t.model_dump() for t in body.tools] if getattr(body, "tools", None) else None
     try:
-        text = tokenizer.apply_chat_template(
-            [m.as_template_input() for m in messages],
-            chat_template=template,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
+        _, token_ids = chat_utils.render_chat(
+            ctx.tokenizer, [m.as_template_input() for m in body.messages or []],
+            chat_template=ctx.chat_template, tools=tools, add_generation_prompt=body.add_generation_prompt,
+            require_tools=getattr(body, "tool_choice", None) != "none",
         )
-    except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
-        raise APIError(400, f"messages: the chat template failed: {exc}", "messages") from None
-    # The template already placed any BOS token; do not add a second one (as LLM.chat).
-    return tokenizer.encode(text, add_special_tokens=False)
+    except chat_utils.ChatTemplateError as exc:
+        raise APIError(400, str(exc), exc.param) from None
+    return token_ids
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, raw_request: Request) -> Response:
     arrival = time.monotonic()
     model = ctx.resolve_model(body.model)
     _check_fields(body)
-    prompt_ids = await render_chat(ctx, body.messages, body.add_generation_prompt)
+    tools = ToolMode.for_request(ctx, body)
+    prompt_ids = await render_chat(ctx, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = make_params(body, max_tokens, logprobs, ctx.sampling_defaults)
+    constraint = body.output_constraint()
+    param = constraint[1] if constraint is not None else None
+    if tools.constraint is not None:
+        if params.structured_outputs is not None:
+            raise APIError(400, f"tool_choice {tools.choice!r} constrains the output itself; drop {param}",
+                           "tool_choice")
+        params = dataclasses.replace(params, structured_outputs=tools.constraint)
+        param = "tools"
     check_context_length(ctx, len(prompt_ids), max_tokens, "messages")
+    await compile_constraint(ctx, params, param)
     prompt = {"prompt_token_ids": prompt_ids}
     group = await submit(ctx, body, [(prompt, p) for p in fan_out(params, body.n)], arrival, ctx.lora_for(model))
     request_id = random_id("chatcmpl")
     if body.stream:
         return StreamingResponse(
-            _stream(body, model, request_id, len(prompt_ids), group),
+            _stream(body, model, request_id, len(prompt_ids), group, tools),
             media_type="text/event-stream",
             background=BackgroundTask(group.abort),
         )
     states = await collect(group, raw_request)
-    return JSONResponse(_response(body, model, request_id, prompt_ids, states).model_dump())
+    return JSONResponse(_response(body, model, request_id, prompt_ids, states, tools).model_dump())
 
 
 def _check_fields(body: ChatCompletionRequest) -> None:
+    if body.tool_choice is not None and body.tool_choice != "none" and not body.tools:
+        raise APIError(400, f"tool_choice {body.tool_choice!r} needs tools", "tool_choice")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
     if body.stream_options is not None and not body.stream:
@@ -109,7 +130,7 @@ def _logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int)
         )
         content.append(TokenLogprob(
             token=text,
-            logprob=chosen.logprob if chosen is not None else float("-inf"),
+            logprob=json_logprob(chosen.logprob) if chosen is not None else MIN_LOGPROB,
             bytes=list(text.encode()),
             top_logprobs=[_top(token_text(t, entry), lp) for t, lp in ranked[:top]],
         ))
@@ -117,7 +138,7 @@ def _logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int)
 
 
 def _top(text: str, logprob: Logprob) -> TopLogprob:
-    return TopLogprob(token=text, logprob=logprob.logprob, bytes=list(text.encode()))
+    return TopLogprob(token=text, logprob=json_logprob(logprob.logprob), bytes=list(text.encode()))
 
 
 def _usage(num_prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -129,19 +150,25 @@ def _usage(num_prompt_tokens: int, completion_tokens: int) -> Usage:
 
 
 def _response(
-    body: ChatCompletionRequest, model: str, request_id: str, prompt_ids: list[int], states: list[ChoiceState]
+    body: ChatCompletionRequest, model: str, request_id: str, prompt_ids: list[int], states: list[ChoiceState],
+    tools: ToolMode,
 ) -> ChatCompletionResponse:
-    choices = [
-        ChatChoice(
+    choices = []
+    for index, state in enumerate(states):
+        content, calls = tools.extract(state.full_text)
+        finish_reason = state.finish_reason
+        if calls and finish_reason == "stop" and tools.choice != "named":
+            finish_reason = "tool_calls"
+        choices.append(ChatChoice(
             index=index,
-            message=ChatMessageOut(role="assistant", content=state.full_text),
+            message=ChatMessageOut(role="assistant", content=content, tool_calls=[
+                ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
+            ] if calls else None),
             logprobs=_logprobs(state.logprobs, state.token_ids, body.top_logprobs or 0) if body.logprobs else None,
-            finish_reason=state.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=state.stop_reason,
             token_ids=state.token_ids if body.return_token_ids else None,
-        )
-        for index, state in enumerate(states)
-    ]
+        ))
     usage = _usage(len(prompt_ids), sum(len(s.token_ids) for s in states))
     return ChatCompletionResponse(
         id=request_id, model=model, choices=choices, usage=usage,
@@ -149,36 +176,48 @@ def _response(
     )
 
 
-def _chunk_choice(body: ChatCompletionRequest, index: int, completion: CompletionOutput) -> ChatChunkChoice:
+def _chunk_choice(
+    body: ChatCompletionRequest, index: int, completion: CompletionOutput, stream: ToolStream
+) -> ChatChunkChoice:
     logprobs = None
     if body.logprobs:
         logprobs = _logprobs(completion.logprobs or [], completion.token_ids, body.top_logprobs or 0)
+    content, calls = stream.feed(completion.text, completion.finish_reason is not None)
+    finish_reason = completion.finish_reason
+    if stream.num_calls and finish_reason == "stop" and stream.mode.choice != "named":
+        finish_reason = "tool_calls"
     return ChatChunkChoice(
         index=index,
-        delta=ChatMessageOut(content=completion.text),
+        delta=ChatDeltaOut(content=content, tool_calls=[
+            DeltaToolCallOut(index=c.index, id=c.id, type="function" if c.id is not None else None,
+                             function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls
+        ] or None),
         logprobs=logprobs,
-        finish_reason=completion.finish_reason,
+        finish_reason=finish_reason,
         stop_reason=completion.stop_reason,
         token_ids=completion.token_ids if body.return_token_ids else None,
     )
 
 
 async def _stream(
-    body: ChatCompletionRequest, model: str, request_id: str, num_prompt_tokens: int, group: RequestGroup
+    body: ChatCompletionRequest, model: str, request_id: str, num_prompt_tokens: int, group: RequestGroup,
+    tools: ToolMode,
 ) -> AsyncIterator[str]:
     def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> str:
         return sse(ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage))
 
     completion_tokens = 0
+    streams = [tools.stream() for _ in range(body.n)]
     try:
         # OpenAI's first chunk of each choice carries only the role.
-        yield chunk([ChatChunkChoice(index=i, delta=ChatMessageOut(role="assistant", content=""))
+        yield chunk([ChatChunkChoice(index=i, delta=ChatDeltaOut(role="assistant", content=""))
                      for i in range(body.n)])
         async with group:  # a client that disconnects cancels us here: its requests are aborted
             async for index, output in group:
                 completion = output.outputs[0]
                 completion_tokens += len(completion.token_ids)
-                yield chunk([_chunk_choice(body, index, completion)])
+                yield chunk([_chunk_choice(body, index, completion, streams[index])])
                 check_not_failed(output)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], _usage(num_prompt_tokens, completion_tokens))

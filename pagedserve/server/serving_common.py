@@ -21,6 +21,7 @@ from pagedserve.sampling_params import SamplingParams, sample_seed
 from pagedserve.server.errors import APIError, bad_request
 from pagedserve.server.lora_admin import LoRARegistry
 from pagedserve.server.metrics import ServerMetrics
+from pagedserve.structured_outputs import GrammarError
 
 SSE_DONE = "data: [DONE]\n\n"
 # How often a non-streaming handler checks that its client is still there.
@@ -54,6 +55,9 @@ class ServerContext:
     _prompt_char_limit: int | None = field(default=None, init=False, repr=False)
     # The model's generation_config.json sampling fields: what a request that omits them gets.
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # tool_choice "auto": parse the model's text into tool_calls with this parser.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def resolve_model(self, model: str | None) -> str:
         """The served name to echo back (the base model's or an adapter's); 404 if unknown."""
@@ -133,6 +137,27 @@ def make_params(
         return body.sampling_params(max_tokens, logprobs, defaults)
     except ValueError as exc:
         raise bad_request(exc, set(type(body).model_fields)) from None
+
+
+async def compile_constraint(ctx: ServerContext, params: SamplingParams, param: str | None) -> None:
+    """Compiles the request's grammar in the compile thread before it is queued (the engine
+    then finds it cached), so a bad or too slow constraint is a 400 naming `param` and no
+    grammar is ever compiled inside an engine step."""
+    spec = params.structured_outputs
+    if spec is None:
+        return
+    manager = ctx.engine.structured_outputs
+    if manager is None:
+        raise APIError(400, f"{param}: structured outputs need a tokenizer", param)
+    future = manager.compile_async(spec)
+    try:
+        # shield: a timeout here must not cancel the shared, cached compilation.
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), manager.compile_timeout_s)
+    except TimeoutError:
+        raise APIError(400, f"{param}: compiling the grammar took longer than {manager.compile_timeout_s:g} s; "
+                       "simplify the constraint", param) from None
+    except GrammarError as exc:
+        raise APIError(400, f"{param}: {exc}", param) from None
 
 
 def fan_out(params: SamplingParams, num_samples: int) -> list[SamplingParams]:
@@ -246,6 +271,14 @@ def sse_error(exc: BaseException) -> str:
 
 def _dumps(obj: dict[str, Any]) -> str:
     return json.dumps(obj, separators=(",", ":"))
+
+
+# A token the grammar forbade has logprob -inf, which JSON cannot carry; vLLM reports -9999.
+MIN_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
 
 
 def token_text(token_id: int, entry: dict[int, Logprob]) -> str:

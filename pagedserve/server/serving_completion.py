@@ -35,7 +35,9 @@ from pagedserve.server.serving_common import (
     check_context_length,
     check_not_failed,
     collect,
+    compile_constraint,
     fan_out,
+    json_logprob,
     make_params,
     sse,
     sse_error,
@@ -59,6 +61,8 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_req
         raise APIError(400, f"n: prompts x samples must be <= {MAX_ENGINE_REQUESTS}", "n")
     internal_logprobs = body.logprobs if body.logprobs is not None else (0 if num_samples > body.n else None)
     params = make_params(body, body.max_tokens, internal_logprobs, ctx.sampling_defaults)
+    constraint = body.output_constraint()
+    await compile_constraint(ctx, params, constraint[1] if constraint is not None else None)
     for _, ids in prompts:
         check_context_length(ctx, len(ids), body.max_tokens, "prompt")
     requests: list[tuple[PromptInput, SamplingParams]] = [
@@ -122,8 +126,8 @@ def _logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], offset: i
     for token_id, entry in zip(token_ids, entries, strict=False):
         text = token_text(token_id, entry)
         out.tokens.append(text)
-        out.token_logprobs.append(entry[token_id].logprob if token_id in entry else None)
-        out.top_logprobs.append({token_text(t, entry): lp.logprob for t, lp in entry.items()})
+        out.token_logprobs.append(json_logprob(entry[token_id].logprob) if token_id in entry else None)
+        out.top_logprobs.append({token_text(t, entry): json_logprob(lp.logprob) for t, lp in entry.items()})
         out.text_offset.append(offset)
         offset += len(text)
     return out

@@ -1,0 +1,24 @@
+"""Tool-call parsers by name (--tool-call-parser), and tool_choice's output constraints."""
+
+from __future__ import annotations
+
+from pagedserve.tool_parsers.base import (
+    DeltaToolCall,
+    ExtractedToolCalls,
+    StreamDelta,
+    ToolCall,
+    ToolParser,
+)
+from pagedserve.tool_parsers.hermes import HermesToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {name!r}")
+    return TOOL_PARSERS[name]
+
+
+__all__ = ["TOOL_PARSERS", "DeltaToolCall", "ExtractedToolCalls", "StreamDelta", "ToolCall", "ToolParser",
+           "get_tool_parser"]
