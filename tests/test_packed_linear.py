@@ -22,6 +22,8 @@ pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built with
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
 def test_packed_layer_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
+    if dtype == torch.bfloat16 and not PACKED.supports(ReplicatedLinear(32, 32).to(dtype)):
+        pytest.skip("oneDNN's bf16 reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT")
     torch.manual_seed(rows)
     layer = ReplicatedLinear(96, 80, bias=True)
     layer.set_quant_method(PACKED)
