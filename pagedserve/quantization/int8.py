@@ -23,6 +23,11 @@ Paths (the first that applies):
     `aten._weight_int8pack_mm`, more rows to the exact int8 -> bf16 conversion and a bf16
     GEMM (at 16 rows the former ran 133 GFLOP/s vs 79, at 32 rows 133 vs 195).
 `benchmarks/quantization.py --kernels` compares all of them.
+
+Decode-sized calls (at most 8 rows) go first to the GEMV kernel (quantization/gemv.py), the
+same arithmetic streamed at memory speed: on the "torch" path from a pair-tile copy of q
+(`qweight_gemv`, one more byte per weight), on the "cpp" path for one row only, from
+`qweight_packed` itself (more rows are the AVX512-BF16 kernel's; benchmarks/gemv_micro.py).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.cpp_build import CFLAGS, load_cpp_ops
+from pagedserve.quantization import gemv as gemv_kernel
 from pagedserve.quantization.base import LinearMethod, add_bias
 
 logger = logging.getLogger(__name__)
@@ -97,20 +103,25 @@ class Int8LinearMethod(LinearMethod):
     Args:
         kernel_max_rows: "torch" path only: most rows sent to `_weight_int8pack_mm`.
         kernel: "auto" (the C++ kernel where it runs), or force "torch".
+        gemv: send calls of at most 8 rows to the GEMV kernel where it runs.
 
     Layer tensors after `process_weights_after_loading`:
         qweight_packed  (out/16, in/2, 16, 2) int8   ("cpp" path), or
         qweight         (out, in) int8 + _kernel_ones ("torch" path)
+        qweight_gemv    (out/16, in/2, 16, 2) int8, "torch" path with the GEMV kernel
         weight_scale    (out,) float32
     """
 
     name = "int8"
 
-    def __init__(self, kernel_max_rows: int = 16, kernel: Literal["auto", "torch"] = "auto") -> None:
+    def __init__(
+        self, kernel_max_rows: int = 16, kernel: Literal["auto", "torch"] = "auto", gemv: bool = True
+    ) -> None:
         if kernel not in ("auto", "torch"):
             raise ValueError(f"kernel must be 'auto' or 'torch', got {kernel!r}")
         self.kernel_max_rows = kernel_max_rows
         self.kernel = kernel
+        self.gemv = gemv
 
     def _uses_cpp(self, weight: torch.Tensor) -> bool:
         out_features, in_features = weight.shape
@@ -131,6 +142,8 @@ class Int8LinearMethod(LinearMethod):
             layer.register_buffer("qweight_packed", pack_for_cpp(qweight))
             return
         layer.register_buffer("qweight", qweight)
+        if self.gemv and gemv_kernel.takes(qweight):
+            layer.register_buffer("qweight_gemv", pack_for_cpp(qweight))
         # torch's kernel multiplies by a per-channel scale in the activation dtype; ones keep
         # its output the raw integer dot product, scaled afterwards in float32.
         layer.register_buffer(
@@ -142,7 +155,8 @@ class Int8LinearMethod(LinearMethod):
     def weight_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
         if hasattr(layer, "qweight_packed"):
             return [layer.qweight_packed, layer.weight_scale]
-        return [layer.qweight, layer.weight_scale, layer._kernel_ones]
+        extra = [layer.qweight_gemv] if hasattr(layer, "qweight_gemv") else []
+        return [layer.qweight, layer.weight_scale, layer._kernel_ones, *extra]
 
     def int_weight(self, layer: nn.Module) -> torch.Tensor:
         """The (out, in) int8 weight, whichever layout the layer keeps (a copy if packed)."""
@@ -151,7 +165,13 @@ class Int8LinearMethod(LinearMethod):
         return layer.qweight
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE).contiguous()
+        x2 = x.reshape(-1, x.shape[-1])
+        tiles = self._gemv_tiles(layer, x2.shape[0])
+        if tiles is not None:
+            bias = getattr(layer, "bias", None)
+            y = gemv_kernel.int8(x2, tiles, layer.weight_scale, None if bias is None else bias.float())
+            return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        x2 = x2.to(COMPUTE_DTYPE).contiguous()
         if hasattr(layer, "qweight_packed"):
             bias = getattr(layer, "bias", None)
             y = cpp_ops().int8_linear(x2, layer.qweight_packed, layer.weight_scale,
@@ -159,6 +179,15 @@ class Int8LinearMethod(LinearMethod):
         else:
             y = add_bias(self._torch_acc(layer, x2) * layer.weight_scale, layer)
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def _gemv_tiles(self, layer: nn.Module, rows: int) -> torch.Tensor | None:
+        """The pair-tile weight the GEMV kernel should read for `rows` rows, or None."""
+        if not self.gemv or rows > gemv_kernel.MAX_ROWS:
+            return None
+        tiles = getattr(layer, "qweight_gemv", None)
+        if tiles is None and rows == 1 and hasattr(layer, "qweight_packed"):
+            tiles = layer.qweight_packed if gemv_kernel.gemv_ops() is not None else None
+        return tiles
 
     def _torch_acc(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
         """bf16(x2 @ q^T) with torch's ops."""
