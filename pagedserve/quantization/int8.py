@@ -140,6 +140,8 @@ class Int8LinearMethod(LinearMethod):
         layer.register_buffer("weight_scale", scale)
         if use_cpp:
             layer.register_buffer("qweight_packed", pack_for_cpp(qweight))
+            # The same pair tiles serve the GEMV kernel, for one row (see the docstring).
+            layer.gemv_one_row = self.gemv and gemv_kernel.takes(qweight)
             return
         layer.register_buffer("qweight", qweight)
         if self.gemv and gemv_kernel.takes(qweight):
@@ -185,8 +187,8 @@ class Int8LinearMethod(LinearMethod):
         if not self.gemv or rows > gemv_kernel.MAX_ROWS:
             return None
         tiles = getattr(layer, "qweight_gemv", None)
-        if tiles is None and rows == 1 and hasattr(layer, "qweight_packed"):
-            tiles = layer.qweight_packed if gemv_kernel.gemv_ops() is not None else None
+        if tiles is None and rows == 1 and getattr(layer, "gemv_one_row", False):
+            tiles = layer.qweight_packed
         return tiles
 
     def _torch_acc(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
