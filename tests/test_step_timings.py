@@ -15,6 +15,9 @@ def test_step_hook_reports_every_model_step(model_path) -> None:
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     # Step 1 prefills both (4 tokens) and samples their first tokens; 3 decode steps follow.
     assert [(s.num_seqs, s.num_tokens) for s in seen] == [(2, 4), (2, 2), (2, 2), (2, 2)]
+    # Contexts 3 + 1, then 4 + 2, 5 + 3, 6 + 4 rows; the prefill scores 6 + 1 (query, key) pairs.
+    assert [s.context_tokens for s in seen] == [4, 6, 8, 10]
+    assert [s.attended_keys for s in seen] == [7, 6, 8, 10]
     assert llm.llm_engine.get_stats().num_steps_total == len(seen)
     for s in seen:
         parts = [s.schedule_s, s.prepare_s, s.forward_s, s.sample_s, s.update_s, s.output_s]

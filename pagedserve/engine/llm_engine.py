@@ -19,7 +19,7 @@ from pagedserve.engine.beam_search import BeamSearchDriver
 from pagedserve.engine.faults import FaultInjector
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.parallel_sampling import SampleGroup, sample_request_id
-from pagedserve.engine.step_timings import StepHook, StepTimings
+from pagedserve.engine.step_timings import StepHook, StepTimings, attention_work
 from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.lora.manager import LoRAManager
 from pagedserve.lora.peft_loader import module_dims_for
@@ -397,8 +397,12 @@ class LLMEngine:
         self._generation_tokens_total += len(updated)
         if self._step_hooks and sched_out.scheduled:
             end = time.perf_counter()
+            context, keys = attention_work(
+                [(item.num_computed_tokens, item.num_new_tokens) for item in sched_out.scheduled]
+            )
             timings = StepTimings(
                 num_seqs=len(sched_out.scheduled), num_tokens=sched_out.num_batched_tokens,
+                context_tokens=context, attended_keys=keys,
                 schedule_s=t_scheduled - t_start, prepare_s=runner_out.prepare_s,
                 forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
                 update_s=t_updated - t_ran, output_s=end - t_updated, total_s=end - t_start,

@@ -1,5 +1,9 @@
 """Per-step wall-clock timings of `LLMEngine.step()`, handed to step hooks.
 
+The step's batch: `num_seqs` requests, `num_tokens` tokens through the model,
+`context_tokens` K/V rows the attention reads (each request's whole context, once) and
+`attended_keys` (query, key) pairs it scores, summed over requests.
+
 One step, in order (each field in seconds):
 
     schedule_s   Scheduler.schedule()
@@ -26,6 +30,8 @@ from dataclasses import dataclass
 class StepTimings:
     num_seqs: int
     num_tokens: int
+    context_tokens: int
+    attended_keys: int
     schedule_s: float
     prepare_s: float
     forward_s: float
@@ -41,3 +47,13 @@ class StepTimings:
 
 
 StepHook = Callable[[StepTimings], None]
+
+
+def attention_work(chunks: list[tuple[int, int]]) -> tuple[int, int]:
+    """(context_tokens, attended_keys) of a step whose requests run (computed, new) tokens:
+    new queries at positions computed .. computed + new - 1, each attending causally."""
+    context = keys = 0
+    for computed, new in chunks:
+        context += computed + new
+        keys += new * computed + new * (new + 1) // 2
+    return context, keys
