@@ -17,6 +17,8 @@
 // Register tile: MT rows x 4 vectors (x U pairs in flight for M = 1, so 8 independent
 // accumulation chains hide the FMA latency).
 //
+// x may have any leading dimensions (..., K); y is (..., N).
+//
 // Arithmetic (float32 multiply-adds, only the summation order differs from torch):
 //   gemv_dense: y = x W^T (+ bias), float32 sums, rounded once to x's dtype.
 //   gemv_int8:  y = float(bf16( bf16(x) q^T )) * scale (+ bias), float32: the arithmetic of
@@ -158,15 +160,30 @@ void dense_impl(const at::Tensor& xf, const Elem* w, int64_t tiles, const at::Te
 
 #endif  // PAGEDSERVE_GEMV_AVX2
 
+// x (..., K) as a contiguous (M, K) matrix (a view when it already is one): the reshape
+// happens here, not as Python ops around every call.
+at::Tensor rows_view(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have a last (K) dimension");
+  at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+  TORCH_CHECK(x2.size(0) <= kMaxRows, op, ": at most ", kMaxRows, " rows, got ", x2.size(0));
+  return x2;
+}
+
+// y's shape: x's, with the last dimension N.
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return shape;
+}
+
 void check_common(const at::Tensor& x, const at::Tensor& w, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous (M, K) tensor");
-  TORCH_CHECK(x.size(0) <= kMaxRows, op, ": at most ", kMaxRows, " rows, got ", x.size(0));
   TORCH_CHECK(w.dim() == 4 && w.is_contiguous() && w.size(1) * 2 == x.size(1) && w.size(2) == kTile &&
                   w.size(3) == 2,
               op, ": w must be contiguous pair tiles (N/16, K/2, 16, 2) with K = x.size(1)");
 }
 
-at::Tensor gemv_dense(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+at::Tensor gemv_dense(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  const at::Tensor x = rows_view(x_in, "gemv_dense");
   check_common(x, w, "gemv_dense");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "gemv_dense: x must be float32 or bfloat16");
@@ -175,7 +192,7 @@ at::Tensor gemv_dense(const at::Tensor& x, const at::Tensor& w, const c10::optio
   const int64_t N = w.size(0) * kTile;
   at::Tensor b = bias.has_value() ? *bias : at::Tensor();
   TORCH_CHECK(!b.defined() || b.numel() == N, "gemv_dense: bias must have N elements");
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  at::Tensor y = at::empty(out_shape(x_in, N), x.options());
 #if defined(PAGEDSERVE_GEMV_AVX2)
   if (x.size(0) == 0) return y;
   at::Tensor xf = x_as_float(x, false).contiguous();
@@ -189,8 +206,9 @@ at::Tensor gemv_dense(const at::Tensor& x, const at::Tensor& w, const c10::optio
   return y;
 }
 
-at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+at::Tensor gemv_int8(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scale,
                      const c10::optional<at::Tensor>& bias) {
+  const at::Tensor x = rows_view(x_in, "gemv_int8");
   check_common(x, w, "gemv_int8");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "gemv_int8: x must be float32 or bfloat16");
@@ -201,7 +219,7 @@ at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   at::Tensor b = bias.has_value() ? *bias : at::Tensor();
   TORCH_CHECK(!b.defined() || (b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == N),
               "gemv_int8: bias must be (N,) float32");
-  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty(out_shape(x_in, N), x.options().dtype(at::kFloat));
 #if defined(PAGEDSERVE_GEMV_AVX2)
   const int64_t M = x.size(0), K = x.size(1), tiles = w.size(0);
   if (M == 0) return y;

@@ -94,18 +94,19 @@ def unpack_tiles(tiles: torch.Tensor) -> torch.Tensor:
 
 
 def rows_of(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+    """Rows of x (..., in) as a matrix."""
+    return x.shape[0] if x.dim() == 2 else (x.numel() // x.shape[-1] if x.shape[-1] else 0)
 
 
 def dense(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., in) float32/bf16 -> x W^T + b (..., out) in x.dtype; at most MAX_ROWS rows."""
-    x2 = x.reshape(-1, x.shape[-1])
-    y = _load().gemv_dense(x2.contiguous(), tiles, bias)
-    return y.view(*x.shape[:-1], y.shape[-1])
+    """x (..., in) float32/bf16 -> x W^T + b (..., out) in x.dtype; at most MAX_ROWS rows.
+    (The op flattens x itself: no Python reshape around the hot call.)"""
+    return _load().gemv_dense(x, tiles, bias)
 
 
 def int8(
-    x2: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x2 (M, in) -> float(bf16(bf16(x2) q^T)) * scale + bias (M, out) float32; M <= MAX_ROWS."""
-    return _load().gemv_int8(x2.contiguous(), tiles, scale, bias)
+    """x (..., in) -> float(bf16(bf16(x) q^T)) * scale + bias (..., out) float32; at most
+    MAX_ROWS rows."""
+    return _load().gemv_int8(x, tiles, scale, bias)

@@ -175,11 +175,12 @@ class Int8LinearMethod(LinearMethod):
         if (rows == 1 and getattr(layer, "gemv_one_row", False)) or (
             path == "gemv" and rows <= self.kernel_max_rows
         ):
-            step = gemv_kernel.MAX_ROWS
+            if rows <= gemv_kernel.MAX_ROWS:  # a decode step: one op, x as it is
+                y = gemv_kernel.int8(x, layer.qweight_packed, layer.weight_scale, bias32)
+                return y if y.dtype == x.dtype else y.to(x.dtype)
             parts = [gemv_kernel.int8(c, layer.qweight_packed, layer.weight_scale, bias32)
-                     for c in x2.split(step)]
-            y = parts[0] if len(parts) == 1 else torch.cat(parts)
-            return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+                     for c in x2.split(gemv_kernel.MAX_ROWS)]
+            return torch.cat(parts).to(x.dtype).reshape(*x.shape[:-1], -1)
         x2 = x2.to(COMPUTE_DTYPE).contiguous()
         if path == "cpp":
             y = cpp_ops().int8_linear(x2, layer.qweight_packed, layer.weight_scale, bias32)
