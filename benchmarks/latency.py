@@ -58,8 +58,9 @@ PRECISIONS = {  # name -> (dtype, quantization)
     "int8": ("float32", "int8"),
     "int4": ("float32", "int4"),
 }
-# Copies a linear method keeps only to serve another batch size (not read by a decode step).
-_SECOND_COPIES = ("gemv_weight", "qweight_gemv", "_kernel_ones")
+# The tensors one product of a linear layer reads, per method (packed / F.linear / int8 /
+# int4); the GEMV's `gemv_weight` is a second copy of `packed_weight`, not counted twice.
+_READ_TENSORS = ("packed_weight", "weight", "qweight_packed", "qweight", "weight_scale", "scales_zeros")
 
 
 # ---- models ------------------------------------------------------------------------------
@@ -129,9 +130,9 @@ def step_weight_bytes(llm: LLM) -> int:
     for module in llm.llm_engine.runner.model.modules():
         if not isinstance(module, LinearBase | LMHead):
             continue
-        for name in ("packed_weight", "weight", "qweight_packed", "qweight", "weight_scale", "scales_zeros"):
+        for name in _READ_TENSORS:
             t = getattr(module, name, None)
-            if isinstance(t, torch.Tensor) and name not in _SECOND_COPIES:
+            if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total
 
