@@ -10,6 +10,10 @@ with `monkeypatch.setenv` after import.
     PAGEDSERVE_FUSED_OPS           "cpp" | "torch" | unset (auto: cpp on CPU when it builds)
                                    RMSNorm, SiLU*mul and rotary as single C++ passes (see
                                    models/layers/fused_ops.py)
+    PAGEDSERVE_GEMV                "cpp" | "off" | unset (auto: cpp on CPU when it builds)
+                                   decode-sized (<= 8 rows) linear layers through the C++
+                                   GEMV kernel, which keeps one more copy of the weights
+                                   (see quantization/gemv.py)
     TORCH_EXTENSIONS_DIR           build cache for C++ extensions (torch's own variable);
                                    unset: ~/.cache/pagedserve/torch_extensions
 """
@@ -60,6 +64,16 @@ _FUSED_OPS: tuple[FusedOpsName, ...] = ("cpp", "torch")
 def fused_ops() -> FusedOpsName | None:
     """The forced implementation of the fused elementwise ops, or None for automatic."""
     return _choice("PAGEDSERVE_FUSED_OPS", _FUSED_OPS)  # type: ignore[return-value]
+
+
+GemvName = Literal["cpp", "off"]
+_GEMV: tuple[GemvName, ...] = ("cpp", "off")
+
+
+def gemv() -> GemvName | None:
+    """Whether decode-sized linear layers use the C++ GEMV kernel ("off", forced "cpp"), or
+    None for automatic."""
+    return _choice("PAGEDSERVE_GEMV", _GEMV)  # type: ignore[return-value]
 
 
 def torch_extensions_dir() -> pathlib.Path:

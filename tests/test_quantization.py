@@ -29,6 +29,7 @@ from pagedserve.entrypoints.cli import build_parser
 from pagedserve.models.layers.linear import LinearBase
 from pagedserve.models.loader import load_model, weight_bytes
 from pagedserve.quantization import QuantizationConfig
+from pagedserve.quantization.gemv import gemv_ops
 from pagedserve.quantization.int4 import (
     Int4LinearMethod,
     _packed_block_n,
@@ -120,6 +121,11 @@ def test_int4_packing_round_trips() -> None:
 # ---- kernels vs the same arithmetic in pure torch -----------------------------------------
 
 
+def _int8_cpp_kernels() -> bool:
+    """Whether int8 layers keep pair tiles: a C++ kernel (GEMM or decode GEMV) runs here."""
+    return int8_cpp_ops() is not None or gemv_ops() is not None
+
+
 def reference_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias=None) -> torch.Tensor:
     """float(bf16(bf16(x) @ q^T)) * scale + bias, with float32 sums."""
     acc = F.linear(x.bfloat16().float(), q.float()).bfloat16().float()
@@ -134,14 +140,15 @@ def reference_int4(x: torch.Tensor, dq: torch.Tensor, bias=None) -> torch.Tensor
 
 
 @pytest.mark.parametrize("kernel", ["auto", "torch"])  # C++ (AVX512-BF16 CPUs), torch's ops
-@pytest.mark.parametrize("rows", [1, 16, 17, 200])  # torch: int8 kernel (<= 16 rows), bf16 GEMM
+@pytest.mark.parametrize("rows", [1, 8, 9, 16, 17, 200])  # <= 16: GEMV / torch int8 kernel; GEMM
 def test_int8_layer_equals_reference_arithmetic(rows: int, kernel: str) -> None:
     w, bias = _weights(192, 256), torch.randn(192)
     layer = _Linear(w, bias)
     method = Int8LinearMethod(kernel=kernel)
     method.process_weights_after_loading(layer)
     assert not hasattr(layer, "weight")  # the full-precision weight is gone
-    assert hasattr(layer, "qweight_packed") == (kernel == "auto" and int8_cpp_ops() is not None)
+    # Pair tiles for the C++ kernels (AVX512-BF16 GEMM or AVX2 GEMV), else torch's layout.
+    assert hasattr(layer, "qweight_packed") == (kernel == "auto" and _int8_cpp_kernels())
     q, scale = quantize_int8(w)
     assert torch.equal(method.int_weight(layer), q) and torch.equal(layer.weight_scale, scale)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
@@ -192,8 +199,11 @@ def _linear_layers(model: nn.Module) -> list[LinearBase]:
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_load_quantizes_every_linear_and_shrinks_weights(model_path, method: str) -> None:
+def test_load_quantizes_every_linear_and_shrinks_weights(model_path, method: str, monkeypatch) -> None:
     path = model_path("demo")  # hidden 256, MLP 688: 688 is no int4 group multiple
+    # Without the full-precision layers' decode copies (test_gemv.py counts those), so the
+    # byte difference is the quantized layers' alone.
+    monkeypatch.setenv("PAGEDSERVE_GEMV", "off")
     fp32, _ = load_model(path, torch.float32, torch.device("cpu"))
     model, _ = load_model(path, torch.float32, torch.device("cpu"), QuantizationConfig(method))
     layers = _linear_layers(model)
@@ -201,7 +211,7 @@ def test_load_quantizes_every_linear_and_shrinks_weights(model_path, method: str
     if method == "int8":
         assert set(names) == {"int8"}
         # Where the C++ kernel runs, every layer takes it (all shapes here are multiples of 16).
-        assert all(hasattr(m, "qweight_packed") == (int8_cpp_ops() is not None) for m in layers)
+        assert all(hasattr(m, "qweight_packed") == _int8_cpp_kernels() for m in layers)
     else:  # down_proj (in 688) falls back to int8, the rest is int4
         assert names.count("int4") == 3 * len(layers) // 4 and names.count("int8") == len(layers) // 4
     assert all(not hasattr(m, "weight") for m in layers)

@@ -19,6 +19,7 @@ from pagedserve.engine.beam_search import BeamSearchDriver
 from pagedserve.engine.faults import FaultInjector
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.parallel_sampling import SampleGroup, sample_request_id
+from pagedserve.engine.step_timings import StepHook, StepTimings, attention_work
 from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.lora.manager import LoRAManager
 from pagedserve.lora.peft_loader import module_dims_for
@@ -119,6 +120,7 @@ class LLMEngine:
         self._steps_total = 0
         self._last_step_tokens = 0
         registry.register(self)
+        self._step_hooks: list[StepHook] = []
 
     def _default_kv_cache_bytes(self) -> int:
         utilization = self.config.cache.memory_utilization
@@ -406,17 +408,27 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------
 
+    def add_step_hook(self, hook: StepHook) -> None:
+        """Calls `hook(StepTimings)` after every step that ran the model (benchmarks, metrics)."""
+        self._step_hooks.append(hook)
+
+    def remove_step_hook(self, hook: StepHook) -> None:
+        self._step_hooks.remove(hook)
+
     def step(self) -> list[RequestOutput]:
         """One iteration. A request whose own preparation or detokenization raises ends
         alone with finish_reason "error" (its blocks freed this step); only a failure of the
         step as a whole (the model forward) propagates."""
+        t_start = time.perf_counter()
         sched_out = self.scheduler.schedule()
+        t_scheduled = time.perf_counter()
         now = time.monotonic()
         for item in sched_out.scheduled:
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = now
         runner_out = self.runner.execute_model(sched_out)
         failed = self._fail_in_runner(sched_out, runner_out.failed)
+        t_ran = time.perf_counter()
         sampled = runner_out.sampled_token_ids
         if self.beam_search.has_work():
             self.beam_search.take_reports(sched_out, sampled, runner_out.logprobs)
@@ -432,6 +444,7 @@ class LLMEngine:
         self.scheduler.failed = []
         self._record_step(sched_out)
         logprobs_by_id = _logprobs_by_request(sched_out, runner_out)
+        t_updated = time.perf_counter()
         now = time.monotonic()
         outputs = []
         for request in updated:
@@ -461,6 +474,20 @@ class LLMEngine:
             # After stop strings ended their requests: propose for who runs next step.
             self.speculator.release(self.scheduler.requests)
             self.speculator.propose(self.scheduler.running)
+        if self._step_hooks and sched_out.scheduled:
+            end = time.perf_counter()
+            context, keys = attention_work(
+                [(item.num_computed_tokens, item.num_new_tokens) for item in sched_out.scheduled]
+            )
+            timings = StepTimings(
+                num_seqs=len(sched_out.scheduled), num_tokens=sched_out.num_batched_tokens,
+                context_tokens=context, attended_keys=keys,
+                schedule_s=t_scheduled - t_start, prepare_s=runner_out.prepare_s,
+                forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
+                update_s=t_updated - t_ran, output_s=end - t_updated, total_s=end - t_start,
+            )
+            for hook in self._step_hooks:
+                hook(timings)
         return outputs
 
     def _process_token(

@@ -59,7 +59,10 @@ class LoRALinear(nn.Module):
         GEMM costs 20-35 us on this host before it does any work.
         """
         self.storage_a, self.storage_b = flat_storage(kv_cache, dtype)
-        self.one_op = isinstance(getattr(self.base, "quant_method", None), PackedLinearMethod) and kernel_handles(
+        self.one_op = (
+            isinstance(getattr(self.base, "quant_method", None), PackedLinearMethod)
+            and hasattr(self.base, "packed_weight")  # bf16 that oneDNN cannot pack keeps F.linear
+        ) and kernel_handles(
             self.base.packed_weight.dtype, dtype, kv_cache.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

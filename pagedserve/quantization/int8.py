@@ -22,7 +22,13 @@ Paths (the first that applies):
   * "torch" (no such CPU, odd shapes, other devices): rows <= kernel_max_rows (16) go to
     `aten._weight_int8pack_mm`, more rows to the exact int8 -> bf16 conversion and a bf16
     GEMM (at 16 rows the former ran 133 GFLOP/s vs 79, at 32 rows 133 vs 195).
-`benchmarks/quantization.py --kernels` compares all of them.
+  * "gemv" (no AVX512-BF16, but the AVX2 decode GEMV kernel of quantization/gemv.py runs):
+    the same pair tiles as "cpp"; rows <= kernel_max_rows (16) through the GEMV kernel, 8 at a
+    time (the weight streamed at memory speed, 1.5-2x `_weight_int8pack_mm` at 1-8 rows),
+    more rows through the bf16 GEMM on tiles unpacked and converted chunk by chunk.
+`benchmarks/quantization.py --kernels` compares all of them; `benchmarks/gemv_micro.py` the
+GEMV kernel against the others at decode sizes. On the "cpp" path one-row calls go to the
+GEMV kernel too (a one-row product is bound by memory, not by the multiply-adds).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.cpp_build import CFLAGS, load_cpp_ops
+from pagedserve.quantization import gemv as gemv_kernel
 from pagedserve.quantization.base import LinearMethod, add_bias
 
 logger = logging.getLogger(__name__)
@@ -95,40 +102,50 @@ class Int8LinearMethod(LinearMethod):
     """Per-output-channel int8 weights, quantized at load time; see the module docstring.
 
     Args:
-        kernel_max_rows: "torch" path only: most rows sent to `_weight_int8pack_mm`.
-        kernel: "auto" (the C++ kernel where it runs), or force "torch".
+        kernel_max_rows: "torch" / "gemv" paths: most rows sent to `_weight_int8pack_mm` /
+            the GEMV kernel.
+        kernel: "auto" (the C++ kernels where they run), or force "torch".
+        gemv: use the decode GEMV kernel where it runs ("gemv" path, one-row "cpp" calls).
 
     Layer tensors after `process_weights_after_loading`:
-        qweight_packed  (out/16, in/2, 16, 2) int8   ("cpp" path), or
+        qweight_packed  (out/16, in/2, 16, 2) int8   ("cpp" and "gemv" paths), or
         qweight         (out, in) int8 + _kernel_ones ("torch" path)
         weight_scale    (out,) float32
     """
 
     name = "int8"
 
-    def __init__(self, kernel_max_rows: int = 16, kernel: Literal["auto", "torch"] = "auto") -> None:
+    def __init__(
+        self, kernel_max_rows: int = 16, kernel: Literal["auto", "torch"] = "auto", gemv: bool = True
+    ) -> None:
         if kernel not in ("auto", "torch"):
             raise ValueError(f"kernel must be 'auto' or 'torch', got {kernel!r}")
         self.kernel_max_rows = kernel_max_rows
         self.kernel = kernel
+        self.gemv = gemv
 
-    def _uses_cpp(self, weight: torch.Tensor) -> bool:
+    def _path(self, weight: torch.Tensor) -> Literal["cpp", "gemv", "torch"]:
         out_features, in_features = weight.shape
-        return (
+        if not (
             self.kernel == "auto"
             and weight.device.type == "cpu"
             and out_features % TILE == 0
             and in_features % 2 == 0
-            and cpp_ops() is not None
-        )
+        ):
+            return "torch"
+        if cpp_ops() is not None:
+            return "cpp"
+        return "gemv" if self.gemv and gemv_kernel.takes(weight) else "torch"
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         qweight, scale = quantize_int8(layer.weight)
-        use_cpp = self._uses_cpp(layer.weight)
+        path = self._path(layer.weight)
         del layer.weight
         layer.register_buffer("weight_scale", scale)
-        if use_cpp:
+        layer.int8_path = path
+        if path != "torch":
             layer.register_buffer("qweight_packed", pack_for_cpp(qweight))
+            layer.gemv_one_row = path == "gemv" or (self.gemv and gemv_kernel.takes(qweight))
             return
         layer.register_buffer("qweight", qweight)
         # torch's kernel multiplies by a per-channel scale in the activation dtype; ones keep
@@ -151,17 +168,33 @@ class Int8LinearMethod(LinearMethod):
         return layer.qweight
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE).contiguous()
-        if hasattr(layer, "qweight_packed"):
-            bias = getattr(layer, "bias", None)
-            y = cpp_ops().int8_linear(x2, layer.qweight_packed, layer.weight_scale,
-                                      None if bias is None else bias.float())
+        x2 = x.reshape(-1, x.shape[-1])
+        path, rows = getattr(layer, "int8_path", "torch"), x2.shape[0]
+        bias = getattr(layer, "bias", None)
+        bias32 = None if bias is None else bias.float()
+        if (rows == 1 and getattr(layer, "gemv_one_row", False)) or (
+            path == "gemv" and rows <= self.kernel_max_rows
+        ):
+            if rows <= gemv_kernel.MAX_ROWS:  # a decode step: one op, x as it is
+                y = gemv_kernel.int8(x, layer.qweight_packed, layer.weight_scale, bias32)
+                return y if y.dtype == x.dtype else y.to(x.dtype)
+            parts = [gemv_kernel.int8(c, layer.qweight_packed, layer.weight_scale, bias32)
+                     for c in x2.split(gemv_kernel.MAX_ROWS)]
+            return torch.cat(parts).to(x.dtype).reshape(*x.shape[:-1], -1)
+        x2 = x2.to(COMPUTE_DTYPE).contiguous()
+        if path == "cpp":
+            y = cpp_ops().int8_linear(x2, layer.qweight_packed, layer.weight_scale, bias32)
         else:
             y = add_bias(self._torch_acc(layer, x2) * layer.weight_scale, layer)
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
     def _torch_acc(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
         """bf16(x2 @ q^T) with torch's ops."""
+        packed = getattr(layer, "qweight_packed", None)
+        if packed is not None:  # "gemv" path, many rows: 16-channel tiles unpacked per chunk
+            step = max(1, (1 << 21) // (packed.shape[1] * 2 * TILE))
+            parts = [F.linear(x2, unpack_from_cpp(t).to(COMPUTE_DTYPE)) for t in packed.split(step)]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         qweight = layer.qweight
         if x2.shape[0] <= self.kernel_max_rows and x2.device.type == "cpu":
             return torch.ops.aten._weight_int8pack_mm(x2, qweight, layer._kernel_ones)

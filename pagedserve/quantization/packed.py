@@ -15,8 +15,14 @@ differs from MKL's, so results agree with transformers to float rounding.
 
 Layer tensors after `process_weights_after_loading`:
     packed_weight  opaque oneDNN tensor, (out, in) logically; `.to_dense()` gives W back
-The dense `weight` parameter is deleted, so the packed copy costs no extra memory (a tied
-LM head packs its own copy; the embedding keeps the table it looks rows up in).
+    gemv_weight    W as pair tiles for the decode GEMV kernel (quantization/gemv.py), used
+                   for calls of at most 8 rows, where oneDNN reads the weight at a fraction
+                   of the memory bandwidth; absent with PAGEDSERVE_GEMV=off or odd shapes
+    weight         only where oneDNN cannot pack the dtype (bfloat16 without AVX512-BW /
+                   AVX-NE-CONVERT): the dense weight, for F.linear on larger batches
+The dense `weight` parameter is otherwise deleted, so the oneDNN copy costs no extra memory
+(a tied LM head packs its own copy; the embedding keeps the table it looks rows up in); the
+GEMV copy is one more copy of the weights, the price of decode speed.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.quantization import gemv
 from pagedserve.quantization.base import LinearMethod
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -45,6 +53,14 @@ def _onednn_bf16_supported() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack a weight of `dtype` on this CPU (bf16 needs AVX512-BW or
+    AVX-NE-CONVERT; the reorder raises without)."""
+    if dtype == torch.bfloat16:
+        return onednn_available() and _onednn_bf16_supported()
+    return dtype == torch.float32 and onednn_available()
+
+
 class PackedLinearMethod(LinearMethod):
     """x W^T + b with W held in oneDNN's blocked layout; CPU, float32 / bfloat16 only."""
 
@@ -52,14 +68,21 @@ class PackedLinearMethod(LinearMethod):
 
     def supports(self, layer: nn.Module) -> bool:
         weight = getattr(layer, "weight", None)
-        if weight is None or weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
-            return False
         # oneDNN's bf16 reorder refuses CPUs without AVX512BW/VL/DQ or AVX-NE-CONVERT; those
-        # keep F.linear rather than failing at load.
-        return weight.dtype != torch.bfloat16 or _onednn_bf16_supported()
+        # keep F.linear (and the GEMV for decode rows) rather than failing at load.
+        return (
+            weight is not None
+            and weight.device.type == "cpu"
+            and weight.dtype in PACKABLE_DTYPES
+            and (onednn_packs(weight.dtype) or gemv.takes(weight))
+        )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         dense = layer.weight.detach()
+        if gemv.takes(dense):
+            layer.register_buffer("gemv_weight", gemv.pack_tiles(dense), persistent=False)
+        if not onednn_packs(dense.dtype):
+            return  # keeps `weight` for F.linear
         packed = torch.ops.mkldnn._reorder_linear_weight(dense, _EXPECTED_ROWS)
         del layer.weight
         # An opaque tensor cannot be a parameter or buffer (no storage); `weight_tensors`
@@ -67,20 +90,32 @@ class PackedLinearMethod(LinearMethod):
         layer.packed_weight = packed
 
     def weight_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
-        return [layer.packed_weight]
+        names = ("packed_weight", "weight", "gemv_weight")
+        return [getattr(layer, n) for n in names if getattr(layer, n, None) is not None]
 
     def weight_bytes(self, layer: nn.Module) -> int:
-        return layer.packed_weight.numel() * layer.packed_weight.element_size()
+        return sum(t.numel() * t.element_size() for t in self.weight_tensors(layer))
 
     def add_to_weight(self, layer: nn.Module, delta: torch.Tensor) -> None:
-        dense = layer.packed_weight.to_dense()
-        dense += delta.to(dense.dtype)
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense, _EXPECTED_ROWS)
+        if hasattr(layer, "packed_weight"):
+            dense = layer.packed_weight.to_dense()
+            dense += delta.to(dense.dtype)
+            layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense, _EXPECTED_ROWS)
+        else:
+            layer.weight.data += delta.to(layer.weight.dtype)
+            dense = layer.weight.detach()
+        if hasattr(layer, "gemv_weight"):
+            layer.gemv_weight = gemv.pack_tiles(dense)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(
-            x, layer.packed_weight, getattr(layer, "bias", None), "none", [], ""
-        )
+        bias = getattr(layer, "bias", None)
+        tiles = getattr(layer, "gemv_weight", None)
+        if tiles is not None and gemv.rows_of(x) <= gemv.MAX_ROWS:
+            return gemv.dense(x, tiles, bias)
+        packed = getattr(layer, "packed_weight", None)
+        if packed is None:
+            return F.linear(x, layer.weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 PACKED = PackedLinearMethod()

@@ -11,6 +11,7 @@ It is the only place that builds tensors for a step. Per step:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -80,6 +81,12 @@ class ModelRunnerOutput:
     # that its verified proposals gave, and their logprobs; empty lists otherwise.
     extra_token_ids: list[list[int]] = field(default_factory=list)
     extra_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
+    # Seconds this step spent building inputs, in the model (forward + LM head) and sampling
+    # (metadata, sampler, the host sync and these lists); CPU ops are synchronous, so
+    # perf_counter around them measures them. Read by the engine's per-step stats.
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
 
 
 class ModelRunner:
@@ -179,21 +186,38 @@ class ModelRunner:
             self._copy_blocks(sched.blocks_to_copy, self.kv_caches, self.kv_caches)
         if sched.is_empty:
             return ModelRunnerOutput([], [])
+        start = time.perf_counter()
         input_ids, positions, common, logits_indices = self._prepare_inputs(sched)
         attn_metadata = self.backend.build_metadata(common)
-        with lora_step(self._lora_segments(sched)):
+        lora_segments = self._lora_segments(sched)
+        prepared = time.perf_counter()
+        with lora_step(lora_segments):
             hidden = self.model(input_ids, positions, attn_metadata)
         if not any(item.sample for item in sched.scheduled):
             nothing = [None] * len(sched.scheduled)
-            return ModelRunnerOutput(nothing, list(nothing), [[] for _ in nothing], [[] for _ in nothing])
+            out = ModelRunnerOutput(nothing, list(nothing), [[] for _ in nothing], [[] for _ in nothing])
+            return self._timed(out, start, prepared, time.perf_counter(), 0.0)
+        forwarded = time.perf_counter()
         meta, logits_indices, failed = self._sampling_inputs(sched, logits_indices)
         if meta is None:  # every sampling request failed
-            return self._to_output(sched, None, failed)
+            return self._timed(self._to_output(sched, None, failed), start, prepared, forwarded, 0.0)
+        head_start = time.perf_counter()
         logits = self.model.compute_logits(hidden[logits_indices])
+        head_s = time.perf_counter() - head_start
         if any(item.spec_token_ids for item in sched.scheduled if item.request.request_id not in failed):
-            return self._verify(sched, logits, meta, failed)
+            return self._timed(self._verify(sched, logits, meta, failed), start, prepared, forwarded, head_s)
         sampled = self.sampler(logits, meta)
-        return self._to_output(sched, sampled, failed)
+        return self._timed(self._to_output(sched, sampled, failed), start, prepared, forwarded, head_s)
+
+    @staticmethod
+    def _timed(
+        out: ModelRunnerOutput, start: float, prepared: float, forwarded: float, head_s: float
+    ) -> ModelRunnerOutput:
+        """Fills the step's timings: the LM head (`head_s`) counts as model time."""
+        out.prepare_s = prepared - start
+        out.forward_s = forwarded - prepared + head_s
+        out.sample_s = time.perf_counter() - forwarded - head_s
+        return out
 
     def _build_sampling(self, items: list[ScheduledRequest]) -> SamplingMetadata:
         # One logits row per sampling request, then one per sibling it forks (same row).

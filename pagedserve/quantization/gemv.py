@@ -1,0 +1,112 @@
+"""Decode-sized linear layers (at most 8 rows) through csrc/gemv_cpu.cpp.
+
+Why: a batch-1 decode step reads every weight once, so it is bound by memory bandwidth,
+and oneDNN's prepacked GEMM (blocked for ~64 rows) reads a one-row product at well under
+what the machine streams (the issue-18 profile: 88% of a SmolLM2 bf16 token in it, ~20 GB/s).
+The C++ kernel streams the weight once, front to back per thread, doing every row's
+multiply-adds on each weight vector while it is in registers.
+
+Layout ("pair tiles", the one `int8.pack_for_cpp` already uses for int8):
+
+    W (out, in)  ->  (out/16, in/2, 16, 2):  tile[t, p, j, e] = W[16 t + j, 2 p + e]
+
+A layer the kernel can take (out % 16 == 0, in even, CPU) keeps such a copy of its weight
+beside the GEMM path's own (`gemv_weight`; for int8 on AVX512-BF16 CPUs the C++ GEMM's
+`qweight_packed` already is one). That costs one more copy of full-precision weights
+(`PAGEDSERVE_GEMV=off` saves it, and uses the GEMM at every batch size).
+`benchmarks/gemv_micro.py` times this kernel against the GEMM path, alternating.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import pathlib
+from typing import Any
+
+import torch
+
+from pagedserve import envs
+from pagedserve.cpp_build import CFLAGS, load_cpp_ops
+
+logger = logging.getLogger(__name__)
+
+TILE = 16
+# Rows up to which the kernel is used (its build refuses more; a decode batch this small is
+# memory-bound, a larger one is better served by a blocked GEMM).
+MAX_ROWS = 8
+_SOURCE = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "gemv_cpu.cpp"
+# The int8 epilogue multiplies and adds in separate roundings, as torch does.
+_CFLAGS = [*CFLAGS, "-ffp-contract=off"]
+
+
+class GemvKernelError(RuntimeError):
+    pass
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> Any:
+    try:
+        load_cpp_ops("pagedserve_gemv", _SOURCE, _CFLAGS, "decode GEMV kernel", GemvKernelError)
+    except GemvKernelError as exc:
+        logger.warning("gemv: decode layers use the GEMM path: %s", exc)
+        return None
+    ops = torch.ops.pagedserve_gemv
+    if not ops.available():
+        logger.info("gemv: this CPU has no AVX2/FMA; decode layers use the GEMM path")
+        return None
+    return ops
+
+
+def gemv_ops() -> Any:
+    """The C++ ops, or None when they are off (`PAGEDSERVE_GEMV=off`) or cannot run here."""
+    choice = envs.gemv()
+    if choice == "off":
+        return None
+    ops = _load()
+    if ops is None and choice == "cpp":
+        raise GemvKernelError("PAGEDSERVE_GEMV=cpp but the decode GEMV kernel is unavailable")
+    return ops
+
+
+def takes(weight: torch.Tensor) -> bool:
+    """Whether the kernel can hold this (out, in) weight (and is in use)."""
+    out_features, in_features = weight.shape
+    return (
+        weight.device.type == "cpu"
+        and out_features % TILE == 0
+        and in_features % 2 == 0
+        and gemv_ops() is not None
+    )
+
+
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """(out, in) -> (out/16, in/2, 16, 2), any dtype: tiles of 16 channels, k-pair by k-pair."""
+    out_features, in_features = weight.shape
+    tiles = weight.detach().view(out_features // TILE, TILE, in_features // 2, 2)
+    return tiles.permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_tiles(tiles: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_tiles`."""
+    num_tiles, pairs = tiles.shape[:2]
+    return tiles.permute(0, 2, 1, 3).reshape(num_tiles * TILE, pairs * 2)
+
+
+def rows_of(x: torch.Tensor) -> int:
+    """Rows of x (..., in) as a matrix."""
+    return x.shape[0] if x.dim() == 2 else (x.numel() // x.shape[-1] if x.shape[-1] else 0)
+
+
+def dense(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) float32/bf16 -> x W^T + b (..., out) in x.dtype; at most MAX_ROWS rows.
+    (The op flattens x itself: no Python reshape around the hot call.)"""
+    return _load().gemv_dense(x, tiles, bias)
+
+
+def int8(
+    x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (..., in) -> float(bf16(bf16(x) q^T)) * scale + bias (..., out) float32; at most
+    MAX_ROWS rows."""
+    return _load().gemv_int8(x, tiles, scale, bias)
