@@ -1,5 +1,5 @@
 # `make serve` and `make test` each set up .venv first (idempotent, fast when done).
-.PHONY: setup serve demo test test-all lint bench
+.PHONY: setup serve demo test test-all lint typecheck bench
 
 setup:
 	@bash scripts/setup.sh
@@ -19,6 +19,9 @@ test-all: setup
 
 lint: setup
 	.venv/bin/ruff check pagedserve tests benchmarks scripts
+
+typecheck: setup
+	.venv/bin/mypy
 
 bench: setup
 	.venv/bin/python benchmarks/throughput.py

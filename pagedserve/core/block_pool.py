@@ -116,8 +116,9 @@ class BlockPool:
                 start = block_id
                 for b in range(start, start + num_blocks):
                     del self._free[b]
-                    if self.block_hash[b] is not None:
-                        del self._cached[self.block_hash[b]]
+                    old_hash = self.block_hash[b]
+                    if old_hash is not None:
+                        del self._cached[old_hash]
                         self.block_hash[b] = None
                         self.num_evictions += 1
                     self.ref_cnt[b] = 1

@@ -24,7 +24,10 @@ def build_kv_manager(
     if cache.kv_allocation in KV_ALLOCATIONS:
         from pagedserve.core.contiguous import ContiguousKVCacheManager
 
-        return ContiguousKVCacheManager(num_blocks, cache.block_size, cache.kv_allocation, max_model_len)
+        # A benchmark baseline with the paged manager's interface (duck-typed, not a subclass).
+        return ContiguousKVCacheManager(  # type: ignore[return-value]
+            num_blocks, cache.block_size, cache.kv_allocation, max_model_len
+        )
     raise ValueError(f"kv_allocation must be one of {', '.join(KV_ALLOCATIONS)}; got {cache.kv_allocation!r}")
 
 

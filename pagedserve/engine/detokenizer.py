@@ -32,6 +32,7 @@ class IncrementalDetokenizer:
     def _primed_stream(self, prime_ids: list[int]) -> DecodeStream:
         stream = DecodeStream(skip_special_tokens=self._skip_special)
         chunk = None
+        assert self._rust is not None  # a detokenizer exists only with a tokenizer
         for token_id in prime_ids:
             chunk = stream.step(self._rust, token_id)
         if prime_ids and chunk is None:

@@ -308,10 +308,11 @@ class LLMEngine:
         return SamplingParams(**self.source.sampling_defaults)
 
     def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:
-        extra = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
+        stop_ids = params.stop_token_ids or []
+        extra = [t for t in self.eos_token_ids[1:] if t not in stop_ids]
         if not extra or params.ignore_eos:
             return params
-        return replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
+        return replace(params, stop_token_ids=[*stop_ids, *extra])
 
     def _compile_grammar(self, params: SamplingParams) -> Any:
         """The request's compiled grammar (cached; the server compiled it already), or None.
@@ -552,7 +553,7 @@ class LLMEngine:
             return
 
     def _group_output(self, request: Request, output: RequestOutput) -> RequestOutput | None:
-        group = self._groups.get(request.group_id)
+        group = self._groups.get(request.group_id) if request.group_id is not None else None
         if group is None:
             return None
         merged = group.add(output, request.sample_index)

@@ -43,14 +43,23 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
     if getattr(args, "enable_auto_tool_choice", False) and getattr(args, "tool_call_parser", None) is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
     metrics = ServerMetrics(names[0])
+    # The LoRA registry takes either engine; the handlers take either serving engine (the
+    # replica set offers AsyncLLMEngine's methods).
+    engine: Any
+    serving_engine: Any
     if engine_args.data_parallel_size > 1 or engine_args.distributed_executor_backend is not None:
         from pagedserve.distributed.launch import build_replica_set
+        from pagedserve.models.source import resolve_model_source
 
         # N replicas on Ray: the same handlers, a router in place of the engine thread.
+        config = engine_args.create_engine_config()
         engine = serving_engine = build_replica_set(args, engine_args, metrics)
+        sampling_defaults = dict(resolve_model_source(config.model, config.torch_device()).sampling_defaults)
     else:
-        engine = LLMEngine(engine_args.create_engine_config())
-        serving_engine = AsyncLLMEngine(engine, metrics, stall_timeout_s=args.stall_timeout)
+        local = LLMEngine(engine_args.create_engine_config())
+        engine = local
+        serving_engine = AsyncLLMEngine(local, metrics, stall_timeout_s=args.stall_timeout)
+        sampling_defaults = dict(local.source.sampling_defaults)
     loras = LoRARegistry(
         lora_dirs=[Path(d) for d in getattr(args, "lora_dir", [])],
         runtime_updates=getattr(args, "enable_lora_runtime_updates", False),
@@ -69,7 +78,7 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
         chat_template=load_chat_template(args.chat_template),
         max_queue_len=args.max_queue_len,
         loras=loras,
-        sampling_defaults=dict(engine.source.sampling_defaults),
+        sampling_defaults=sampling_defaults,
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
     )
@@ -117,7 +126,7 @@ def make_server(app: Any, engine: Any, host: str, port: int, log_level: str, gra
                 abort_later.cancel()
 
     # uvicorn's own deadline is only the backstop behind ours.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_s + 5)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(grace_s) + 5)
     return GracefulServer(config)
 
 

@@ -66,7 +66,8 @@ async def render_chat(ctx: ServerContext, body: ChatCompletionRequest | Tokenize
 
 
 def _render(ctx: ServerContext, body: ChatCompletionRequest | TokenizeRequestLike) -> list[int]:
-    tools = [t.model_dump() for t in body.tools] if getattr(body, "tools", None) else None
+    given = getattr(body, "tools", None)  # /tokenize's chat shape has no tools
+    tools = [t.model_dump() for t in given] if given else None
     try:
         _, token_ids = chat_utils.render_chat(
             ctx.tokenizer, [m.as_template_input() for m in body.messages or []],
