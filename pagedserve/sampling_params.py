@@ -119,8 +119,10 @@ class SamplingParams:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not -1 <= self.logprobs <= 20):
             raise bad("logprobs", "an integer in [0, 20], or -1 for the whole vocabulary", self.logprobs)
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet.")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not -1 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", "an integer in [0, 20], or -1 for the whole vocabulary", self.prompt_logprobs)
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer", self.seed)
         if any(not isinstance(s, str) or not s for s in self._stop_list):
@@ -174,6 +176,7 @@ class SamplingParams:
     def for_sample(self, index: int) -> SamplingParams:
         """Parameters of sample `index` of an n/best_of request: one sequence, seed + index.
 
+        Only sample 0 computes prompt logprobs (it prefills for the group).
         With best_of > n the samples are ranked by cumulative logprob, so each sample
         computes logprobs (at least the chosen token's) even if none were asked for.
         """
@@ -181,7 +184,9 @@ class SamplingParams:
         if logprobs is None and self.num_samples > self.n:
             logprobs = 0
         seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, best_of=None, seed=seed, logprobs=logprobs)
+        # Sample 0 prefills the prompt for the group; the others fork its blocks.
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return replace(self, n=1, best_of=None, seed=seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     @property
     def greedy(self) -> bool:

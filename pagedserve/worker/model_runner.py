@@ -31,6 +31,12 @@ from pagedserve.quantization import QuantizationConfig
 from pagedserve.sample.input_builder import build_sampling_metadata
 from pagedserve.sample.sampler import Sampler
 from pagedserve.worker.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_torch_dtype
+from pagedserve.worker.prompt_logprobs import (
+    PromptLogprobs,
+    compute_prompt_logprobs,
+    plan_prompt_logprobs,
+    split_prompt_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +72,9 @@ class ModelRunnerOutput:
     # Per scheduled request: first tokens (and logprobs) of its `fork_requests`, in order.
     fork_token_ids: list[list[int]] = field(default_factory=list)
     fork_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
+    # Per scheduled request: the prompt logprobs this step's chunk yields, or None (or empty
+    # when no request asked for any).
+    prompt_logprobs: list[PromptLogprobs | None] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -167,15 +176,20 @@ class ModelRunner:
         attn_metadata = self.backend.build_metadata(common)
         with lora_step(self._lora_segments(sched)):
             hidden = self.model(input_ids, positions, attn_metadata)
+        plan = plan_prompt_logprobs(sched, self.vocab_size)
+        prompt_lp = compute_prompt_logprobs(plan, hidden, self.model.compute_logits) if plan else None
         # One logits row per sampling request, then one per sibling it forks (same row).
         row_requests = [r for item in sched.scheduled if item.sample for r in (item.request, *item.fork_requests)]
-        if not row_requests:
-            nothing = [None] * len(sched.scheduled)
-            return ModelRunnerOutput(nothing, list(nothing), [[] for _ in nothing], [[] for _ in nothing])
-        logits = self.model.compute_logits(hidden[logits_indices])
-        meta = build_sampling_metadata(row_requests, self.generators, self.vocab_size, self.device)
-        sampled = self.sampler(logits, meta)
-        return self._to_output(sched, sampled)
+        sampled = None
+        if row_requests:
+            logits = self.model.compute_logits(hidden[logits_indices])
+            meta = build_sampling_metadata(row_requests, self.generators, self.vocab_size, self.device)
+            sampled = self.sampler(logits, meta)
+        out = self._to_output(sched, sampled)
+        if plan is not None and prompt_lp is not None:
+            lists = (prompt_lp[0].tolist(), prompt_lp[1].tolist(), prompt_lp[2].tolist())
+            out.prompt_logprobs = split_prompt_logprobs(sched, plan, lists, self.vocab_size)
+        return out
 
     def _prepare_inputs(
         self, sched: SchedulerOutput
@@ -235,9 +249,9 @@ class ModelRunner:
 
     def _to_output(self, sched: SchedulerOutput, sampled) -> ModelRunnerOutput:
         # The step's only host sync: everything comes back as Python lists at once.
-        token_ids = sampled.token_ids.tolist()
+        token_ids = sampled.token_ids.tolist() if sampled is not None else []
         lp = None
-        if sampled.logprobs is not None:
+        if sampled is not None and sampled.logprobs is not None:
             lp = (sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist(), sampled.ranks.tolist())
 
         def row_logprobs(row: int, request) -> TokenLogprobs | None:
