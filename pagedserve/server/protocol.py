@@ -61,7 +61,9 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """One engine request's parameters (n=1: the server fans out); raises ValueError."""
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -78,6 +80,7 @@ class SamplingRequest(BaseModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=_logit_bias(self.logit_bias),
@@ -96,10 +99,13 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 only with echo: score the prompt without generating (lm-evaluation-harness, vLLM).
+    max_tokens: int | None = Field(16, ge=0)
     best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    # vLLM extra: each prompt token's logprob and the top k, in `choices[i].prompt_logprobs`.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
 
@@ -161,10 +167,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's per-token record in `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None
