@@ -34,7 +34,7 @@ class ModelConfig:
     max_model_len: int | None = None
     # Weight-only quantization at load time: None, "int8" or "int4" (see pagedserve/quantization).
     quantization: str | None = None
-    quantization_group_size: int = 128
+    quantization_group_size: int | None = None  # None: the method's default (32)
     quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:

@@ -21,6 +21,8 @@ LM head packs its own copy; the embedding keeps the table it looks rows up in).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -38,6 +40,11 @@ def onednn_available() -> bool:
     )
 
 
+@functools.cache
+def _bf16_packable() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class PackedLinearMethod(LinearMethod):
     """x W^T + b with W held in oneDNN's blocked layout; CPU, float32 / bfloat16 only."""
 
@@ -45,7 +52,11 @@ class PackedLinearMethod(LinearMethod):
 
     def supports(self, layer: nn.Module) -> bool:
         weight = getattr(layer, "weight", None)
-        return weight is not None and weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES
+        if weight is None or weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
+            return False
+        # oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT; without them a bf16
+        # layer stays on F.linear.
+        return weight.dtype != torch.bfloat16 or _bf16_packable()
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         dense = layer.weight.detach()
