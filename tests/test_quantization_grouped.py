@@ -1,4 +1,5 @@
-"""Group-wise int8 (Q8_0-like, the default int8) against a dense reference.
+"""Group-wise int8 (Q8_0-like, the default int8) against a dense reference, and GGUF's
+Q8_0 / Q4_0 / Q4_1 blocks loaded into the int8 / int4 methods without requantizing.
 
 Oracles: the dequantized weight is within half a step of the original, per group; a layer's
 output equals F.linear with the dequantized weight (float32, only the summation order
@@ -22,10 +23,16 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.models.layers.linear import LinearBase
 from pagedserve.models.loader import load_model
 from pagedserve.quantization import QuantizationConfig
+from pagedserve.quantization.gguf_blocks import from_gguf_q4_0, from_gguf_q4_1, from_gguf_q8_0
+from pagedserve.quantization.int4 import (
+    Int4LinearMethod,
+    _packed_block_n,
+    _unpack_blocks,
+    dequantize_int4,
+)
 from pagedserve.quantization.int8_grouped import (
     Int8GroupedLinearMethod,
     dequantize_int8_grouped,
-    from_gguf_q8_0,
     quantize_int8_grouped,
 )
 
@@ -104,6 +111,30 @@ def test_gguf_q8_0_blocks_load_without_requantizing() -> None:
     method.set_quantized(layer, q, scale)
     x = torch.randn(3, 128)
     torch.testing.assert_close(method.apply(layer, x), F.linear(x, torch.from_numpy(want)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_q4_blocks_load_into_int4_without_requantizing(kind: str) -> None:
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = getattr(GGMLQuantizationType, kind)
+    w = _weights(64, 128).numpy()
+    raw = quants.quantize(w, qtype)
+    q, scale, zero = (from_gguf_q4_0 if kind == "Q4_0" else from_gguf_q4_1)(torch.from_numpy(raw), (64, 128))
+    want = torch.from_numpy(quants.dequantize(raw, qtype))
+    assert torch.equal(dequantize_int4(q, scale, zero, 32), want)  # same values, float32 scales
+    layer = _Linear(torch.zeros(64, 128))
+    del layer.weight
+    Int4LinearMethod.set_quantized(layer, q, scale, zero, 32)
+    # The stored q is gguf's, bit for bit; only scale / zero are rounded to bfloat16.
+    block_n = _packed_block_n()
+    if block_n is not None:
+        stored = _unpack_blocks(layer.qweight, block_n).permute(0, 2, 1).reshape(64, 128)
+        assert torch.equal(stored, q)
+    x = torch.randn(3, 128)
+    got = Int4LinearMethod(32).apply(layer, x)
+    want_y = F.linear(x, want)
+    assert ((got - want_y).abs() <= 2e-2 * want_y.abs().max()).all()
 
 
 def test_int8_defaults_to_groups_of_32_and_per_channel_stays_available(model_path) -> None:

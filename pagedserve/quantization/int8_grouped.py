@@ -8,7 +8,7 @@ Why groups: one scale per output channel (int8.py) must cover the channel's larg
 so a single outlier coarsens the step of every other weight in the row; on SmolLM2-135M that
 cost 0.56 greedy agreement with fp32. llama.cpp's Q8_0 (a float16 scale per 32 weights)
 agrees 1.00 with its f32 on the same weights. This is the same format, so a GGUF's Q8_0
-blocks load as they are (`from_gguf_q8_0`). q is fitted against the float16-rounded scale,
+blocks load as they are (`gguf_blocks.from_gguf_q8_0`). q is fitted against the float16-rounded scale,
 so storing the scale in float16 adds no error. Cost: 8.5 bits per weight.
 
 Arithmetic of `apply`: y = x @ (q * scale)^T in the activation dtype (float32 for a float32
@@ -46,20 +46,6 @@ def dequantize_int8_grouped(q: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     groups = scale.shape[1]
     w = q.view(out_features, groups, in_features // groups).float() * scale.float()[..., None]
     return w.view(out_features, in_features).to(dtype)
-
-
-def from_gguf_q8_0(blocks: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A GGUF Q8_0 tensor's raw bytes -> (q, scale) for this method, without requantizing.
-
-    Q8_0 stores each block of 32 weights (along a row) as 34 bytes: a float16 scale `d`, then
-    32 int8 values; w = d * q. `blocks` is the tensor's data as uint8 (any shape), `shape` its
-    (rows, columns) = (out, in).
-    """
-    out_features, in_features = shape
-    raw = blocks.reshape(-1).view(torch.uint8).reshape(out_features, in_features // 32, 34)
-    scale = raw[..., :2].contiguous().view(torch.float16).reshape(out_features, in_features // 32)
-    q = raw[..., 2:].contiguous().view(torch.int8).reshape(out_features, in_features)
-    return q, scale
 
 
 class Int8GroupedLinearMethod(LinearMethod):
