@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import json
 import math
 import platform
 import sys
@@ -169,16 +170,12 @@ def make_llm(model: str, config: dict, window: int):
 
 
 def run(args: argparse.Namespace) -> None:
-    names = args.configs.split(",")
+    names = [n for n in args.configs.split(",") if n]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
-    if "fp32" in names:
-        names.remove("fp32")
-    names.insert(0, "fp32")
-    reference_outputs = None
+    results = _load_results(args)
     chunks = prompts = None
-    rows = []
     for name in names:
         start = time.perf_counter()
         llm = make_llm(args.model, CONFIGS[name], args.window)
@@ -188,24 +185,52 @@ def run(args: argparse.Namespace) -> None:
             chunks = windows(ids, args.window)
             prompts = chat_prompts(tokenizer, args.prompts)
         ppl, count = perplexity(llm, chunks)
-        outputs = greedy_outputs(llm, prompts, args.new_tokens)
-        if reference_outputs is None:
-            reference_outputs = outputs
-        rows.append((name, ppl, agreement(reference_outputs, outputs), count))
+        results[name] = {"ppl": ppl, "count": count, "outputs": greedy_outputs(llm, prompts, args.new_tokens)}
+        _save_result(args, name, results[name])
         del llm
         print(f"# {name}: ppl {ppl:.4f} ({count} tokens), {time.perf_counter() - start:.0f} s", flush=True)
-    report(args, rows)
+    report(args, results)
 
 
-def report(args: argparse.Namespace, rows: list[tuple[str, float, float, int]]) -> None:
-    base = rows[0][1]
+def _key(args: argparse.Namespace) -> dict:
+    return {"model": args.model, "tokens": args.tokens, "window": args.window, "prompts": args.prompts,
+            "new_tokens": args.new_tokens, "python": platform.python_version()}
+
+
+def _load_results(args: argparse.Namespace) -> dict[str, dict]:
+    """Results saved in --results-dir by earlier (or parallel) runs with the same settings:
+    configurations can run in separate processes, and `--configs ''` just prints the table."""
+    found: dict[str, dict] = {}
+    if args.results_dir is None:
+        return found
+    for path in sorted(Path(args.results_dir).glob("*.json")):
+        saved = json.loads(path.read_text())
+        if saved.get("key") == _key(args):
+            found[path.stem] = saved
+    return found
+
+
+def _save_result(args: argparse.Namespace, name: str, result: dict) -> None:
+    if args.results_dir is not None:
+        Path(args.results_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.results_dir) / f"{name}.json").write_text(json.dumps({"key": _key(args), **result}))
+
+
+def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
+    if "fp32" not in results:
+        print("(no fp32 result yet: the table needs it as the reference)")
+        return
+    base = results["fp32"]
     print(f"\nmodel {args.model}; corpus: {len(CORPUS_MODULES)} stdlib modules' docstrings, Python "
-          f"{platform.python_version()}, {rows[0][3]} scored tokens in windows of {args.window}; "
+          f"{platform.python_version()}, {base['count']} scored tokens in windows of {args.window}; "
           f"greedy: {args.prompts} chat prompts x {args.new_tokens} tokens")
     print("| config | perplexity | vs fp32 | greedy agreement |")
     print("|---|---:|---:|---:|")
-    for name, ppl, agree, _ in rows:
-        print(f"| {name} | {ppl:.4f} | {100 * (ppl / base - 1):+.2f}% | {agree:.3f} |")
+    order = [n for n in CONFIGS if n in results]
+    for name in order:
+        r = results[name]
+        agree = agreement(base["outputs"], r["outputs"])
+        print(f"| {name} | {r['ppl']:.4f} | {100 * (r['ppl'] / base['ppl'] - 1):+.2f}% | {agree:.3f} |")
 
 
 def main() -> None:
@@ -216,6 +241,9 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=1024, help="tokens per scored window")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--results-dir", default=None,
+                        help="save each configuration's results here and report every one found "
+                             "(run configurations in parallel processes, then once with --configs '')")
     parser.add_argument("--quick", action="store_true", help="small run on the random demo model")
     args = parser.parse_args()
     if args.quick:
