@@ -40,7 +40,7 @@ class ModelConfig:
     max_model_len: int | None = None
     # Weight-only quantization at load time: None, "int8" or "int4" (see pagedserve/quantization).
     quantization: str | None = None
-    quantization_group_size: int = 128
+    quantization_group_size: int | None = None  # None: the method's default (32)
     quantize_lm_head: bool = False
     # Hub ids: the revision (branch, tag or commit) and the cache folder (default HF_HUB_CACHE).
     revision: str | None = None

@@ -149,11 +149,12 @@ class EngineArgs:
     device: str = field(default="auto", metadata=_setting("auto, cpu or cuda"))
     quantization: str | None = field(default=None, metadata=_setting(
         "weight-only quantization of every linear layer at load time "
-        "(int8: per output channel; int4: group-wise)", choices=("int8", "int4"),
+        "(group-wise: int8 symmetric like Q8_0, int4 affine like Q4_1)", choices=("int8", "int4"),
         vllm="differs: vLLM names checkpoint formats (awq, gptq, fp8, ...); here int8 / int4 "
              "quantize a full-precision checkpoint at load"))
-    quantization_group_size: int = field(default=128, metadata=_setting(
-        "int4 group size along the input dim: 32, 64, 128 or 256", vllm="pagedserve only"))
+    quantization_group_size: int | None = field(default=None, metadata=_setting(
+        "group size along the input dim: 32 (default), 64, 128 or 256; int8 also -1 "
+        "(one scale per output channel)", vllm="pagedserve only"))
     quantize_lm_head: bool = field(default=False, metadata=_setting(
         "also quantize the LM head (embeddings stay full precision)", vllm="pagedserve only"))
 

@@ -200,8 +200,10 @@ class SamplingParams:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not -1 <= self.logprobs <= 20):
             raise bad("logprobs", "an integer in [0, 20], or -1 for the whole vocabulary", self.logprobs)
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet.")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not -1 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", "an integer in [0, 20], or -1 for the whole vocabulary", self.prompt_logprobs)
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX
         ):
@@ -257,6 +259,7 @@ class SamplingParams:
     def for_sample(self, index: int) -> SamplingParams:
         """Parameters of sample `index` of an n/best_of request: one sequence, seed + index.
 
+        Only sample 0 computes prompt logprobs (it prefills for the group).
         With best_of > n the samples are ranked by cumulative logprob, so each sample
         computes logprobs (at least the chosen token's) even if none were asked for.
         """
@@ -264,7 +267,9 @@ class SamplingParams:
         if logprobs is None and self.num_samples > self.n:
             logprobs = 0
         seed = None if self.seed is None else sample_seed(self.seed, index)
-        return replace(self, n=1, best_of=None, seed=seed, logprobs=logprobs)
+        # Sample 0 prefills the prompt for the group; the others fork its blocks.
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return replace(self, n=1, best_of=None, seed=seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     @property
     def greedy(self) -> bool:

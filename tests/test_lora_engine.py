@@ -291,7 +291,7 @@ def test_lora_on_int8_base_equals_int8_reference_plus_peft(base, adapters, promp
     """QLoRA-style serving: the int8 base's output plus the full-precision adapter delta."""
     lora = adapters[3]  # rank 64 on every projection
     llm = LLM(base, max_model_len=256, kv_cache_memory_bytes=32 << 20, enable_lora=True,
-              quantization="int8")
+              quantization="int8", quantization_group_size=-1)
     chosen = prompts[:4]  # lengths 3, 17, 40, 9: both int8 paths (<= 16 rows and more)
     outs = llm.generate([{"prompt_token_ids": p} for p in chosen], greedy(logprobs=1), lora_request=lora)
     reference = _int8_reference_model(base, lora.lora_path)

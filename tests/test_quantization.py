@@ -205,7 +205,9 @@ def test_load_quantizes_every_linear_and_shrinks_weights(model_path, method: str
     # byte difference is the quantized layers' alone.
     monkeypatch.setenv("PAGEDSERVE_GEMV", "off")
     fp32, _ = load_model(path, torch.float32, torch.device("cpu"))
-    model, _ = load_model(path, torch.float32, torch.device("cpu"), QuantizationConfig(method))
+    # int8 per output channel and int4 at group 128 (int8's group-wise default: test_quantization_grouped.py).
+    config = QuantizationConfig(method, -1 if method == "int8" else 128)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"), config)
     layers = _linear_layers(model)
     names = [m.quant_method.name for m in layers]
     if method == "int8":
@@ -227,7 +229,7 @@ def test_load_quantizes_every_linear_and_shrinks_weights(model_path, method: str
 def test_quantize_lm_head_keeps_tied_embedding(model_path) -> None:
     path = model_path("llama-tied")
     model, _ = load_model(
-        path, torch.float32, torch.device("cpu"), QuantizationConfig("int8", quantize_lm_head=True)
+        path, torch.float32, torch.device("cpu"), QuantizationConfig("int8", -1, quantize_lm_head=True)
     )
     fp32, _ = load_model(path, torch.float32, torch.device("cpu"))
     assert model.lm_head.quant_method.name == "int8" and not hasattr(model.lm_head, "weight")
@@ -286,7 +288,8 @@ def test_int8_engine_equals_reference_arithmetic(model_path, monkeypatch) -> Non
     prompts = make_prompts(AutoConfig.from_pretrained(path).vocab_size, [1, 5, 17, 33, 64, 100])
     reference = _int8_reference_model(path)
     expected = [_greedy(reference, p, 16) for p in prompts]
-    llm = LLM(path, max_model_len=256, kv_cache_memory_bytes=16 << 20, quantization="int8")
+    llm = LLM(path, max_model_len=256, kv_cache_memory_bytes=16 << 20, quantization="int8",
+              quantization_group_size=-1)
     params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for out, (tokens, logprobs) in zip(outputs, expected, strict=True):

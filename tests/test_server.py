@@ -215,7 +215,7 @@ INVALID_COMPLETIONS = [
     ({"prompt": []}, "prompt"), ({"prompt": [5, 99999]}, "prompt"), ({"prompt": [[]]}, "prompt"),
     ({"prompt": {"a": 1}}, "prompt"), ({"stream": "maybe"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"suffix": "x"}, "suffix"),
-    ({"echo": True, "logprobs": 1}, "echo"), ({"ignore_eos": "maybe"}, "ignore_eos"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"ignore_eos": "maybe"}, "ignore_eos"),
     ({"skip_special_tokens": "maybe"}, "skip_special_tokens"),
 ]
 INVALID_CHAT = [

@@ -216,9 +216,10 @@ class KVCacheManager:
         """Blocks holding the longest cached prefix of the request, in order.
 
         Stops one token short of the whole request: its last token must be computed
-        again to give the logits for the next one.
+        again to give the logits for the next one. A request that wants prompt logprobs
+        reads no cached block: those positions' logits would never be computed.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []

@@ -445,6 +445,9 @@ class LLMEngine:
         self.scheduler.failed = []
         self._record_step(sched_out)
         logprobs_by_id = _logprobs_by_request(sched_out, runner_out)
+        for item, prompt_lp in zip(sched_out.scheduled, runner_out.prompt_logprobs, strict=False):
+            if prompt_lp is not None:
+                self.output_processor.add_prompt_logprobs(item.request, prompt_lp)
         t_updated = time.perf_counter()
         now = time.monotonic()
         outputs = []

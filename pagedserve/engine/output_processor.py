@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pagedserve.worker.prompt_logprobs import PromptLogprobs
 
 
 @dataclass
@@ -19,6 +22,9 @@ class _RequestState:
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
+    # vLLM's shape: one entry per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
     lora_request: Any = None  # the request's LoRARequest, echoed in its outputs
@@ -42,9 +48,22 @@ class OutputProcessor:
         self._states[request.request_id] = _RequestState(
             detokenizer=detok,
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             metrics=RequestMetrics(arrival_time=request.arrival_time),
             lora_request=lora_request,
         )
+
+    def add_prompt_logprobs(self, request: Request, chunk: PromptLogprobs) -> None:
+        """Records a prefill chunk's prompt logprobs. Positions already recorded (a chunk
+        computed again after a recompute preemption) are skipped."""
+        state = self._states.get(request.request_id)
+        if state is None or state.prompt_logprobs is None:
+            return
+        first, ids, values, ranks = chunk
+        for position, row in enumerate(zip(ids, values, ranks, strict=True), start=first):
+            # Position p predicts prompt token p + 1, the list's entry p + 1.
+            if position + 1 == len(state.prompt_logprobs):
+                state.prompt_logprobs.append(self._logprob_entry(*row))
 
     def process_token(
         self,
@@ -122,6 +141,11 @@ class OutputProcessor:
             logprobs = logprobs[state.num_emitted_tokens :] if logprobs is not None else None
             state.num_emitted_chars = text_end
             state.num_emitted_tokens = request.num_output_tokens
+        prompt_logprobs = state.prompt_logprobs
+        if prompt_logprobs is not None and delta:
+            # Streaming: once, with the first output (the prompt is complete by then).
+            prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
+            state.prompt_logprobs_sent = True
         status = request.status
         if finished and not status.finished:
             status = RequestStatus.FINISHED_STOPPED
@@ -144,6 +168,7 @@ class OutputProcessor:
             outputs=[completion],
             finished=finished,
             metrics=state.metrics,
+            prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
             num_cached_tokens=request.num_cached_tokens,
             lora_request=state.lora_request,
         )

@@ -22,6 +22,8 @@ class SampleGroup:
     sample_ids: list[str]
     latest: dict[int, CompletionOutput] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
+    # Only the sample that prefills computes the prompt's logprobs; they belong to the group.
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -31,6 +33,8 @@ class SampleGroup:
         completion = output.outputs[0]
         completion.index = index
         self.latest[index] = completion
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         if output.finished:
             self.done.add(index)
         if self.params.output_kind == "delta":
@@ -59,6 +63,7 @@ class SampleGroup:
             outputs=completions,
             finished=self.finished,
             metrics=output.metrics,
+            prompt_logprobs=self.prompt_logprobs if self.params.output_kind != "delta" else output.prompt_logprobs,
             num_cached_tokens=output.num_cached_tokens,
             lora_request=output.lora_request,
         )

@@ -46,7 +46,7 @@ from pagedserve.models.hub import is_gguf
 from pagedserve.models.layers.embedding import LMHead
 from pagedserve.models.layers.linear import LinearBase, default_weight_loader
 from pagedserve.models.registry import get_model_class
-from pagedserve.quantization import QuantizationConfig, UnquantizedLinearMethod
+from pagedserve.quantization import PER_CHANNEL, QuantizationConfig, UnquantizedLinearMethod
 from pagedserve.quantization.packed import PACKED, onednn_available
 
 logger = logging.getLogger(__name__)
@@ -123,8 +123,9 @@ def attach_quant_methods(
 ) -> None:
     """Give every linear layer (and the LM head if asked) the config's method, before loading.
 
-    A layer the int4 kernel cannot take (input size not a multiple of a supported group
-    size, output size not a multiple of 16) gets int8 instead, and is named in a warning.
+    A layer the method cannot take (input size not a multiple of its group size; for int4
+    also output size not a multiple of 16) gets per-channel int8 instead, and is named in
+    a warning.
     """
     if device.type != "cpu":
         raise ValueError(
@@ -132,7 +133,7 @@ def attach_quant_methods(
             "a GPU kernel slots in as another LinearMethod"
         )
     method = quantization.linear_method()
-    fallback = QuantizationConfig("int8").linear_method()
+    fallback = QuantizationConfig("int8", group_size=PER_CHANNEL).linear_method()
     fell_back = []
     for name, module in model.named_modules():
         wanted = isinstance(module, LinearBase) or (

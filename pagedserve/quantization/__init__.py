@@ -1,9 +1,13 @@
 """Weight-only linear quantization (int8, int4) applied at load time, and the int8 KV cache.
 
-    base.py     the per-layer interface: LinearMethod (create_weights / process / apply)
-    int8.py     per-output-channel symmetric int8, torch's CPU int8 kernel + bf16 GEMM
-    int4.py     group-wise affine int4, torch's CPU int4 kernel + bf16 GEMM
-    kv_int8.py  int8 K/V rows with a per-token-per-head float32 scale
+    base.py          the per-layer interface: LinearMethod (create_weights / process / apply)
+    int8_grouped.py  int8 with a float16 scale per 32 input columns (llama.cpp's Q8_0): the
+                     default int8
+    int8.py          per-output-channel symmetric int8 (group_size -1), own AVX512-BF16
+                     kernel or torch's CPU int8 kernel, bf16 activations
+    int4.py          group-wise affine int4 (a scale and a zero per group, like Q4_1),
+                     torch's CPU int4 kernel + bf16 GEMM
+    kv_int8.py       int8 K/V rows with a per-token-per-head float32 scale
 
 The loader (models/loader.py) attaches a method to every linear layer of the base model
 before loading, and quantizes each layer as soon as its last shard is loaded.
@@ -17,6 +21,9 @@ from pagedserve.quantization.base import LinearMethod, UnquantizedLinearMethod
 
 QUANTIZATION_METHODS = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
+PER_CHANNEL = -1  # int8 only: one scale per output channel
+# group_size None picks these; BENCHMARKS.md ("Real-text quality") shows why int8 uses 32.
+DEFAULT_GROUP_SIZES = {"int8": 32, "int4": 32}
 
 
 @dataclass(frozen=True)
@@ -24,14 +31,16 @@ class QuantizationConfig:
     """What to quantize and how.
 
     Args:
-        method: "int8" (per output channel, symmetric) or "int4" (group-wise, affine).
-        group_size: int4 group along the input dim (32, 64, 128 or 256).
+        method: "int8" (symmetric, group-wise or per output channel) or "int4" (group-wise,
+            affine).
+        group_size: group along the input dim: 32, 64, 128 or 256; for int8 also -1 (one
+            scale per output channel). None: the method's default (32 for both).
         quantize_lm_head: also quantize the LM head (embeddings always stay full precision;
             a tied head gets its own quantized copy).
     """
 
     method: str
-    group_size: int = 128
+    group_size: int | None = None
     quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
@@ -40,20 +49,30 @@ class QuantizationConfig:
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None; "
                 f"got {self.method!r}"
             )
-        if self.group_size not in GROUP_SIZES:
+        allowed = GROUP_SIZES + ((PER_CHANNEL,) if self.method == "int8" else ())
+        if self.group_size is not None and self.group_size not in allowed:
             raise ValueError(
-                f"quantization_group_size must be one of {GROUP_SIZES}, got {self.group_size}"
+                f"quantization_group_size for {self.method} must be one of {allowed}, got {self.group_size}"
             )
+
+    @property
+    def effective_group_size(self) -> int:
+        return self.group_size if self.group_size is not None else DEFAULT_GROUP_SIZES[self.method]
 
     def linear_method(self) -> LinearMethod:
         """A fresh method object (methods are stateless; one is shared by all layers)."""
-        if self.method == "int8":
+        group = self.effective_group_size
+        if self.method == "int8" and group == PER_CHANNEL:
             from pagedserve.quantization.int8 import Int8LinearMethod
 
             return Int8LinearMethod()
+        if self.method == "int8":
+            from pagedserve.quantization.int8_grouped import Int8GroupedLinearMethod
+
+            return Int8GroupedLinearMethod(group)
         from pagedserve.quantization.int4 import Int4LinearMethod
 
-        return Int4LinearMethod(self.group_size)
+        return Int4LinearMethod(group)
 
 
 __all__ = ["LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod", "QUANTIZATION_METHODS"]

@@ -168,8 +168,17 @@ class Int4LinearMethod(LinearMethod):
         assert group is not None and self.supports(layer)
         q, scale, zero = quantize_int4(layer.weight, group)
         del layer.weight
+        self.set_quantized(layer, q, scale, zero, group)
+
+    @staticmethod
+    def set_quantized(
+        layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
+    ) -> None:
+        """Installs already-quantized weights: q (out, in) in [0, 15], scale / zero (in / g, out)
+        (from `quantize_int4`, or a GGUF file's blocks via quantization/gguf_blocks.py)."""
         layer.register_buffer("qweight", pack_int4(q))
-        layer.register_buffer("scales_zeros", torch.stack((scale, zero), dim=-1).contiguous())
+        sz = torch.stack((scale, zero), dim=-1).to(COMPUTE_DTYPE).contiguous()
+        layer.register_buffer("scales_zeros", sz)
         layer.group_size = group
 
     def weight_tensors(self, layer: nn.Module) -> list[torch.Tensor]:

@@ -47,7 +47,7 @@ class Sampler:
             token_ids = self._sample(logits, meta)
         out = SamplerOutput(token_ids=token_ids)
         if raw_logprobs is not None:
-            gather_logprobs(raw_logprobs, token_ids, meta.max_num_logprobs or 0, out)
+            gather_logprobs_into(raw_logprobs, token_ids, meta.max_num_logprobs or 0, out)
         return out
 
     def target_distribution(self, logits: torch.Tensor, meta: SamplingMetadata) -> TargetDistribution:
@@ -134,16 +134,26 @@ def _apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int, out: SamplerOutput) -> None:
+def gather_logprobs_into(raw: torch.Tensor, token_ids: torch.Tensor, k: int, out: SamplerOutput) -> None:
+    out.logprob_token_ids, out.logprobs, out.ranks = gather_logprobs(raw, token_ids, k)
+
+
+def gather_logprobs(
+    raw: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logprob and rank of `token_ids` (one per row) and the top `k` of each row.
+
+    raw: (N, vocab) log-probabilities. Returns (N, 1 + k) token ids (the given one first),
+    their logprobs and ranks (1 = most likely).
+    """
     chosen = raw.gather(1, token_ids.unsqueeze(1))  # (N, 1)
     chosen_rank = (raw > chosen).sum(dim=-1, keepdim=True) + 1
-    if k > 0:
-        top_values, top_ids = raw.topk(k, dim=-1)
-        top_ranks = torch.arange(1, k + 1).expand(raw.shape[0], k)
-        out.logprob_token_ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1)
-        out.logprobs = torch.cat([chosen, top_values], dim=1)
-        out.ranks = torch.cat([chosen_rank, top_ranks], dim=1)
-    else:
-        out.logprob_token_ids = token_ids.unsqueeze(1)
-        out.logprobs = chosen
-        out.ranks = chosen_rank
+    if k == 0:
+        return token_ids.unsqueeze(1), chosen, chosen_rank
+    top_values, top_ids = raw.topk(k, dim=-1)
+    top_ranks = torch.arange(1, k + 1).expand(raw.shape[0], k)
+    return (
+        torch.cat([token_ids.unsqueeze(1), top_ids], dim=1),
+        torch.cat([chosen, top_values], dim=1),
+        torch.cat([chosen_rank, top_ranks], dim=1),
+    )

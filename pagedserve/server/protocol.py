@@ -168,7 +168,11 @@ class SamplingRequest(StrictRequest):
             raise ValueError(message if message.startswith(name) else f"{name}: {message}") from None
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        defaults: dict[str, Any] | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """One engine request's parameters (n=1: the server fans out); raises ValueError.
 
@@ -197,6 +201,7 @@ class SamplingRequest(StrictRequest):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=_logit_bias(self.logit_bias),
@@ -236,10 +241,13 @@ class CompletionRequest(SamplingRequest):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 only with echo: score the prompt without generating (lm-evaluation-harness, vLLM).
+    max_tokens: int | None = Field(16, ge=0)
     best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    # vLLM extra: each prompt token's logprob and the top k, in `choices[i].prompt_logprobs`.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class TextPart(StrictRequest):
@@ -380,10 +388,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's per-token record in `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None

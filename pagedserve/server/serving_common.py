@@ -131,10 +131,14 @@ def check_context_length(ctx: ServerContext, num_prompt_tokens: int, max_tokens:
 
 
 def make_params(
-    body: Any, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None
+    body: Any,
+    max_tokens: int | None,
+    logprobs: int | None,
+    defaults: dict[str, Any] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     try:
-        return body.sampling_params(max_tokens, logprobs, defaults)
+        return body.sampling_params(max_tokens, logprobs, defaults, prompt_logprobs)
     except ValueError as exc:
         raise bad_request(exc, set(type(body).model_fields)) from None
 
@@ -198,6 +202,7 @@ class ChoiceState:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -208,6 +213,8 @@ class ChoiceState:
         self.text.append(completion.text)
         self.token_ids.extend(completion.token_ids)
         self.logprobs.extend(completion.logprobs or ())
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.cumulative_logprob = completion.cumulative_logprob or 0.0
         if output.finished:
             self.finish_reason = completion.finish_reason

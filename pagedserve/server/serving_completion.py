@@ -25,6 +25,7 @@ from pagedserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
     Usage,
     random_id,
 )
@@ -60,11 +61,13 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_req
     if len(prompts) * num_samples > MAX_ENGINE_REQUESTS:
         raise APIError(400, f"n: prompts x samples must be <= {MAX_ENGINE_REQUESTS}", "n")
     internal_logprobs = body.logprobs if body.logprobs is not None else (0 if num_samples > body.n else None)
-    params = make_params(body, body.max_tokens, internal_logprobs, ctx.sampling_defaults)
+    # echo with max_tokens=0 scores the prompt only: the engine generates one token, dropped.
+    max_tokens = 1 if _echo_only(body) else body.max_tokens
+    params = make_params(body, max_tokens, internal_logprobs, ctx.sampling_defaults, _engine_prompt_logprobs(body))
     constraint = body.output_constraint()
     await compile_constraint(ctx, params, constraint[1] if constraint is not None else None)
     for _, ids in prompts:
-        check_context_length(ctx, len(ids), body.max_tokens, "prompt")
+        check_context_length(ctx, len(ids), max_tokens, "prompt")
     requests: list[tuple[PromptInput, SamplingParams]] = [
         (_engine_prompt(text, ids), sample_params)
         for text, ids in prompts
@@ -90,8 +93,20 @@ def _check_fields(body: CompletionRequest) -> None:
         raise APIError(400, "best_of > n cannot be streamed", "best_of")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options can only be set when stream is true", "stream_options")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs needs prompt logprobs, which are not supported yet", "echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens must be >= 1 (0 only with echo=true, to score the prompt)", "max_tokens")
+    if body.stream and body.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs are not available when stream is enabled", "prompt_logprobs")
+
+
+def _echo_only(body: CompletionRequest) -> bool:
+    return body.echo and body.max_tokens == 0
+
+
+def _engine_prompt_logprobs(body: CompletionRequest) -> int | None:
+    """echo with logprobs reports the prompt's tokens too, so it needs their logprobs (vLLM)."""
+    wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
+    return max(wanted) if wanted else None
 
 
 async def _prompts(ctx: ServerContext, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
@@ -121,16 +136,57 @@ def _echo_text(ctx: ServerContext, prompt: Prompt) -> str:
     return ctx.tokenizer.decode(ids) if ctx.engine.tokenizer is not None else ""
 
 
-def _logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], offset: int) -> CompletionLogprobs:
+def _logprobs(
+    ctx: ServerContext, entries: list[dict[int, Logprob] | None], token_ids: list[int], offset: int, num_top: int
+) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs for `token_ids`. An entry is None for the prompt's first token
+    (nothing predicts it); each entry lists its token first, then the top `num_top`."""
     out = CompletionLogprobs()
     for token_id, entry in zip(token_ids, entries, strict=False):
-        text = token_text(token_id, entry)
-        out.tokens.append(text)
-        out.token_logprobs.append(json_logprob(entry[token_id].logprob) if token_id in entry else None)
-        out.top_logprobs.append({token_text(t, entry): json_logprob(lp.logprob) for t, lp in entry.items()})
+        if entry is None:
+            text = _decode_one(ctx, token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            text = token_text(token_id, entry)
+            out.tokens.append(text)
+            out.token_logprobs.append(json_logprob(entry[token_id].logprob) if token_id in entry else None)
+            top = list(entry.items())[: num_top + 1]
+            out.top_logprobs.append({token_text(t, entry): json_logprob(lp.logprob) for t, lp in top})
         out.text_offset.append(offset)
         offset += len(text)
     return out
+
+
+def _decode_one(ctx: ServerContext, token_id: int) -> str:
+    tokenizer = ctx.engine.tokenizer
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def _prompt_logprobs_out(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+    if entries is None:
+        return None
+    return [
+        None if entry is None else {
+            token_id: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+            for token_id, lp in entry.items()
+        }
+        for entry in entries
+    ]
+
+
+def _choice_logprobs(
+    ctx: ServerContext, body: CompletionRequest, prompt_ids: list[int],
+    prompt_entries: list | None, token_ids: list[int], entries: list, offset: int,
+) -> CompletionLogprobs | None:
+    """With echo, the prompt's tokens come first (prompt_entries None: not in this chunk)."""
+    if body.logprobs is None:
+        return None
+    if body.echo and prompt_entries is not None:
+        token_ids, entries = [*prompt_ids, *token_ids], [*prompt_entries, *entries]
+        offset = 0
+    return _logprobs(ctx, entries, token_ids, offset, body.logprobs)
 
 
 def _best(states: list[ChoiceState], num_samples: int, n: int) -> list[ChoiceState]:
@@ -152,16 +208,21 @@ def _response(
     for index, state in enumerate(_best(states, num_samples, body.n)):
         prompt = prompts[index // body.n]
         prefix = _echo_text(ctx, prompt) if body.echo else ""
+        if _echo_only(body):
+            state.text, state.token_ids, state.logprobs = [], [], []
         choices.append(CompletionChoice(
             index=index,
             text=prefix + state.full_text,
-            logprobs=_logprobs(state.logprobs, state.token_ids, len(prefix)) if body.logprobs is not None else None,
+            logprobs=_choice_logprobs(ctx, body, prompt[1], state.prompt_logprobs, state.token_ids,
+                                      state.logprobs, len(prefix)),
+            prompt_logprobs=_prompt_logprobs_out(state.prompt_logprobs) if body.prompt_logprobs is not None else None,
             finish_reason=state.finish_reason,
             stop_reason=state.stop_reason,
             prompt_token_ids=prompt[1] if body.return_token_ids else None,
             token_ids=state.token_ids if body.return_token_ids else None,
         ))
-    # Every sample is generated, so every sample counts (best_of is billed like that too).
+    # Every sample is generated, so every sample counts (best_of is billed like that too);
+    # echo with max_tokens=0 returns no generated token and bills none.
     completion_tokens = sum(len(s.token_ids) for s in states)
     return CompletionResponse(
         id=request_id, model=model, choices=choices, usage=_usage(prompts, completion_tokens)
@@ -191,24 +252,27 @@ def _stream_choice(
     state: _StreamState, index: int, output: RequestOutput,
 ) -> CompletionChoice:
     completion = output.outputs[0]
-    state.completion_tokens += len(completion.token_ids)
+    text, token_ids, entries = completion.text, completion.token_ids, completion.logprobs or []
+    if _echo_only(body):
+        text, token_ids, entries = "", [], []
+    state.completion_tokens += len(token_ids)
     prompt = prompts[index // body.n]
     first = not state.started[index]
     state.started[index] = True
     prefix = _echo_text(ctx, prompt) if first and body.echo else ""
+    logprobs = _choice_logprobs(ctx, body, prompt[1], output.prompt_logprobs if first else None,
+                                token_ids, entries, state.offsets[index] + len(prefix))
     state.offsets[index] += len(prefix)
-    logprobs = None
-    if body.logprobs is not None:
-        logprobs = _logprobs(completion.logprobs or [], completion.token_ids, state.offsets[index])
-        state.offsets[index] += sum(len(token) for token in logprobs.tokens)
+    if logprobs is not None:
+        state.offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs.tokens else state.offsets[index]
     return CompletionChoice(
         index=index,
-        text=prefix + completion.text,
+        text=prefix + text,
         logprobs=logprobs,
         finish_reason=completion.finish_reason,
         stop_reason=completion.stop_reason,
         prompt_token_ids=prompt[1] if body.return_token_ids and first else None,
-        token_ids=completion.token_ids if body.return_token_ids else None,
+        token_ids=token_ids if body.return_token_ids else None,
     )
 
 

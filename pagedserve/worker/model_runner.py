@@ -31,9 +31,15 @@ from pagedserve.models.layers.attention import Attention
 from pagedserve.models.loader import load_model
 from pagedserve.quantization import QuantizationConfig
 from pagedserve.sample.input_builder import build_sampling_metadata
-from pagedserve.sample.sampler import Sampler, SamplerOutput, gather_logprobs
+from pagedserve.sample.sampler import Sampler, SamplerOutput, gather_logprobs_into
 from pagedserve.spec_decode.rejection_sampler import accepted_runs, rejection_sample
 from pagedserve.worker.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_torch_dtype
+from pagedserve.worker.prompt_logprobs import (
+    PromptLogprobs,
+    compute_prompt_logprobs,
+    plan_prompt_logprobs,
+    split_prompt_logprobs,
+)
 
 if TYPE_CHECKING:
     from pagedserve.core.sched_output import ScheduledRequest
@@ -87,6 +93,9 @@ class ModelRunnerOutput:
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    # Per scheduled request: the prompt logprobs this step's chunk yields, or None (or empty
+    # when no request asked for any).
+    prompt_logprobs: list[PromptLogprobs | None] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -193,6 +202,19 @@ class ModelRunner:
         prepared = time.perf_counter()
         with lora_step(lora_segments):
             hidden = self.model(input_ids, positions, attn_metadata)
+        plan = plan_prompt_logprobs(sched, self.vocab_size)
+        prompt_lp = compute_prompt_logprobs(plan, hidden, self.model.compute_logits) if plan else None
+        out = self._sample_step(sched, hidden, logits_indices, start, prepared)
+        if plan is not None and prompt_lp is not None:
+            lists = (prompt_lp[0].tolist(), prompt_lp[1].tolist(), prompt_lp[2].tolist())
+            out.prompt_logprobs = split_prompt_logprobs(sched, plan, lists, self.vocab_size)
+        return out
+
+    def _sample_step(
+        self, sched: SchedulerOutput, hidden: torch.Tensor, logits_indices: torch.Tensor, start: float,
+        prepared: float,
+    ) -> ModelRunnerOutput:
+        """Logits at the sampling rows, then a draw (or a verification of proposals)."""
         if not any(item.sample for item in sched.scheduled):
             nothing = [None] * len(sched.scheduled)
             out = ModelRunnerOutput(nothing, list(nothing), [[] for _ in nothing], [[] for _ in nothing])
@@ -208,6 +230,7 @@ class ModelRunner:
             return self._timed(self._verify(sched, logits, meta, failed), start, prepared, forwarded, head_s)
         sampled = self.sampler(logits, meta)
         return self._timed(self._to_output(sched, sampled, failed), start, prepared, forwarded, head_s)
+
 
     @staticmethod
     def _timed(
@@ -292,7 +315,7 @@ class ModelRunner:
         )
         sampled = SamplerOutput(token_ids=verified.token_ids)
         if dist.raw_logprobs is not None:
-            gather_logprobs(dist.raw_logprobs, verified.token_ids, meta.max_num_logprobs or 0, sampled)
+            gather_logprobs_into(dist.raw_logprobs, verified.token_ids, meta.max_num_logprobs or 0, sampled)
         return self._to_output(sched, sampled, failed, verified.accepted.tolist())
 
     def _prepare_inputs(

@@ -1,0 +1,261 @@
+"""Real-text quality of a trained model under each precision / quantization setting.
+
+    python benchmarks/quality.py --model /path/to/SmolLM2-135M-Instruct   # HF folder or .gguf
+    python benchmarks/quality.py --model ... --configs fp32,int8 --tokens 8000 --prompts 8
+    python benchmarks/quality.py --quick                                  # smoke run, random model
+
+Per configuration, through the engine (the offline LLM class):
+  * perplexity on real English: the docstrings of a fixed list of Python standard-library
+    modules (every machine with Python has them; they change only with the Python version,
+    which the report prints), tokenized once and cut into independent windows of --window
+    tokens; each window is one request with prompt_logprobs=0, and the perplexity is
+    exp(-mean logprob) over every token that has a context (all but each window's first);
+  * greedy agreement with fp32: --prompts chat prompts (a fixed list, ChatML via the
+    tokenizer's chat template) x --new-tokens greedy tokens; per prompt, the tokens before
+    the first divergence from fp32's output, summed over prompts and divided by fp32's
+    token count (both stopping at end-of-turn at the same place counts as full agreement).
+
+Nothing here depends on timing: the numbers are deterministic for a model, a Python version
+and a CPU's float summation order, so one run is the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# name -> LLM keyword arguments; "fp32" is the reference.
+CONFIGS: dict[str, dict] = {
+    "fp32": {"dtype": "float32"},
+    "bf16": {"dtype": "bfloat16"},
+    "int8": {"dtype": "float32", "quantization": "int8"},
+    "int8-channel": {"dtype": "float32", "quantization": "int8", "quantization_group_size": -1},
+    "int4": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 32},
+    "int4-g128": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 128},
+    "kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
+    "int8+kv-int8": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "int8"},
+}
+DEFAULT_CONFIGS = ["fp32", "bf16", "int8", "int4", "kv-int8", "int8+kv-int8"]
+
+# Modules whose docstrings make the corpus, in this order (stable across Python 3.10-3.13).
+CORPUS_MODULES = [
+    "abc", "argparse", "base64", "bisect", "calendar", "collections", "configparser", "contextlib",
+    "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "email.message", "enum",
+    "fractions", "functools", "gettext", "glob", "gzip", "heapq", "hmac", "html.parser",
+    "http.client", "http.cookies", "imaplib", "inspect", "ipaddress", "json", "locale", "logging",
+    "mailbox", "mimetypes", "numbers", "operator", "optparse", "os", "pathlib", "pickle", "pprint",
+    "queue", "random", "re", "sched", "secrets", "shlex", "shutil", "smtplib", "socket",
+    "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit",
+    "tokenize", "trace", "traceback", "typing", "unittest.case", "urllib.parse", "urllib.request",
+    "uuid", "warnings", "weakref", "xml.dom.minidom", "zipfile",
+]
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Explain what a hash table is in two sentences.",
+    "Write a short poem about the sea.",
+    "How do I reverse a list in Python?",
+    "What causes the seasons on Earth?",
+    "Give me three tips for a job interview.",
+    "What is photosynthesis?",
+    "Translate 'good morning' into Spanish and French.",
+    "Why is the sky blue?",
+    "Summarize the plot of Romeo and Juliet.",
+    "What is the difference between a virus and a bacterium?",
+    "Suggest a name for a coffee shop.",
+    "How many continents are there? Name them.",
+    "What does HTTP stand for?",
+    "Write a haiku about autumn leaves.",
+    "What are the benefits of regular exercise?",
+    "Explain recursion to a ten-year-old.",
+    "What is the boiling point of water at sea level?",
+    "Who wrote Pride and Prejudice?",
+    "Give me a recipe idea for a quick dinner.",
+    "What is machine learning?",
+    "How can I improve my sleep?",
+    "What is the largest planet in our solar system?",
+    "Describe a cat in one paragraph.",
+    "What is the Pythagorean theorem?",
+    "List three renewable energy sources.",
+    "How does a bicycle stay upright?",
+    "What is the purpose of a database index?",
+    "Tell me a fun fact about octopuses.",
+    "Write an email subject line for a team meeting.",
+    "What is inflation in economics?",
+    "How do vaccines work?",
+]
+
+
+def corpus_text() -> str:
+    """Module docstrings, then each public class's and function's (sorted by name), deduplicated."""
+    seen: set[str] = set()
+    parts: list[str] = []
+
+    def add(doc: str | None) -> None:
+        if doc and len(doc) > 40 and doc not in seen:
+            seen.add(doc)
+            parts.append(doc)
+
+    for name in CORPUS_MODULES:
+        module = importlib.import_module(name)
+        add(inspect.getdoc(module))
+        for attr in sorted(vars(module)):
+            obj = vars(module)[attr]
+            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                add(inspect.getdoc(obj))
+    return "\n\n".join(parts)
+
+
+def windows(token_ids: list[int], size: int) -> list[list[int]]:
+    return [token_ids[i : i + size] for i in range(0, len(token_ids) - 1, size) if len(token_ids[i : i + size]) > 1]
+
+
+def perplexity(llm, chunks: list[list[int]]) -> tuple[float, int]:
+    from pagedserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": c} for c in chunks], params, use_tqdm=False)
+    total, count = 0.0, 0
+    for out, chunk in zip(outputs, chunks, strict=True):
+        for token, entry in zip(chunk[1:], out.prompt_logprobs[1:], strict=True):
+            total += entry[token].logprob
+            count += 1
+    return math.exp(-total / count), count
+
+
+def greedy_outputs(llm, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    from pagedserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> float:
+    agreed = 0
+    for ref, out in zip(reference, other, strict=True):
+        n = 0
+        while n < len(ref) and n < len(out) and ref[n] == out[n]:
+            n += 1
+        agreed += n
+    return agreed / max(1, sum(len(r) for r in reference))
+
+
+def chat_prompts(tokenizer, count: int) -> list[list[int]]:
+    prompts = []
+    for text in (CHAT_PROMPTS * (1 + count // len(CHAT_PROMPTS)))[:count]:
+        messages = [{"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts
+
+
+def make_llm(model: str, config: dict, window: int):
+    from pagedserve import LLM
+
+    return LLM(model, max_model_len=max(window, 1024) + 8, kv_cache_memory_bytes=512 << 20,
+               enable_prefix_caching=False, **config)
+
+
+def run(args: argparse.Namespace) -> None:
+    names = [n for n in args.configs.split(",") if n]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    results = _load_results(args)
+    chunks = prompts = None
+    for name in names:
+        start = time.perf_counter()
+        llm = make_llm(args.model, CONFIGS[name], args.window)
+        if chunks is None:
+            tokenizer = llm.get_tokenizer()
+            ids = tokenizer.encode(corpus_text())[: args.tokens]
+            chunks = windows(ids, args.window)
+            prompts = chat_prompts(tokenizer, args.prompts)
+        ppl, count = perplexity(llm, chunks)
+        results[name] = {"ppl": ppl, "count": count, "outputs": greedy_outputs(llm, prompts, args.new_tokens)}
+        _save_result(args, name, results[name])
+        del llm
+        print(f"# {name}: ppl {ppl:.4f} ({count} tokens), {time.perf_counter() - start:.0f} s", flush=True)
+    report(args, results)
+
+
+def _key(args: argparse.Namespace) -> dict:
+    return {"model": args.model, "tokens": args.tokens, "window": args.window, "prompts": args.prompts,
+            "new_tokens": args.new_tokens, "python": platform.python_version()}
+
+
+def _load_results(args: argparse.Namespace) -> dict[str, dict]:
+    """Results saved in --results-dir by earlier (or parallel) runs with the same settings:
+    configurations can run in separate processes, and `--configs ''` just prints the table."""
+    found: dict[str, dict] = {}
+    if args.results_dir is None:
+        return found
+    for path in sorted(Path(args.results_dir).glob("*.json")):
+        saved = json.loads(path.read_text())
+        if saved.get("key") == _key(args):
+            found[path.stem] = saved
+    return found
+
+
+def _save_result(args: argparse.Namespace, name: str, result: dict) -> None:
+    if args.results_dir is not None:
+        Path(args.results_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.results_dir) / f"{name}.json").write_text(json.dumps({"key": _key(args), **result}))
+
+
+def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
+    if "fp32" not in results:
+        print("(no fp32 result yet: the table needs it as the reference)")
+        return
+    base = results["fp32"]
+    print(f"\nmodel {args.model}; corpus: {len(CORPUS_MODULES)} stdlib modules' docstrings, Python "
+          f"{platform.python_version()}, {base['count']} scored tokens in windows of {args.window}; "
+          f"greedy: {args.prompts} chat prompts x {args.new_tokens} tokens")
+    print("| config | perplexity | vs fp32 | greedy agreement |")
+    print("|---|---:|---:|---:|")
+    order = [n for n in CONFIGS if n in results]
+    for name in order:
+        r = results[name]
+        agree = agreement(base["outputs"], r["outputs"])
+        print(f"| {name} | {r['ppl']:.4f} | {100 * (r['ppl'] / base['ppl'] - 1):+.2f}% | {agree:.3f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: the demo model with --quick)")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    parser.add_argument("--tokens", type=int, default=50_000, help="corpus tokens scored")
+    parser.add_argument("--window", type=int, default=1024, help="tokens per scored window")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--results-dir", default=None,
+                        help="save each configuration's results here and report every one found "
+                             "(run configurations in parallel processes, then once with --configs '')")
+    parser.add_argument("--quick", action="store_true", help="small run on the random demo model")
+    args = parser.parse_args()
+    if args.quick:
+        args.tokens, args.window, args.prompts, args.new_tokens = 600, 128, 4, 8
+        if args.model is None:
+            from pagedserve.demo_models import get_model_path
+
+            args.model = str(get_model_path("llama-gqa"))
+    if args.model is None:
+        parser.error("--model is required (an HF folder or a .gguf file) unless --quick")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
