@@ -59,7 +59,7 @@ def running_server(serve_argv: list[str]) -> Iterator[LiveServer]:
 
     from pagedserve.entrypoints.cli import build_parser
     from pagedserve.entrypoints.model_source import engine_args_from
-    from pagedserve.server.api_server import build_app
+    from pagedserve.server.api_server import HTTPOptions, build_app
     from pagedserve.server.launch import build_context
 
     args = build_parser().parse_args(["serve", *serve_argv])
@@ -68,7 +68,7 @@ def running_server(serve_argv: list[str]) -> Iterator[LiveServer]:
     ctx = build_context(args, engine_args, name)
     sock = _bound_socket()
     port = sock.getsockname()[1]
-    config = uvicorn.Config(build_app(ctx), log_level="warning", timeout_graceful_shutdown=2)
+    config = uvicorn.Config(build_app(ctx, HTTPOptions.from_cli_args(args)), log_level="warning", timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -8,7 +8,7 @@ A `bench` subcommand is added by registering another parser in `_SUBCOMMANDS`.
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -44,8 +44,27 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     group.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="name(s) clients use as `model` (default: the MODEL argument)")
-    group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDSERVE_API_KEY)")
+    group.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on /v1; several keys: any of them "
+                            "(default: $VLLM_API_KEY, else $PAGEDSERVE_API_KEY)")
+    group.add_argument("--allowed-origins", type=json.loads, default=["*"],
+                       help='CORS: a JSON list of origins allowed to call the server (default ["*"])')
+    group.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: a JSON list of methods")
+    group.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS: a JSON list of headers")
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    group.add_argument("--enable-request-id-headers", action="store_true",
+                       help="answer with an X-Request-Id header (the client's own, or a new one)")
+    group.add_argument("--root-path", default=None,
+                       help="the path prefix a proxy serves this server under (FastAPI's root_path)")
+    group.add_argument("--disable-fastapi-docs", action="store_true",
+                       help="no /docs, /redoc or /openapi.json")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request's method, path, status and time")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="accepted for vLLM compatibility (requests are not logged by default)")
+    group.add_argument("--uvicorn-log-level", default=None,
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's own log level (default: --log-level)")
     group.add_argument("--chat-template", default=None,
                        help="chat template (a Jinja file, or the template itself) overriding the tokenizer's")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -158,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedserve import envs
+
+    envs.bound_native_caches()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:

@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import json
 import logging
+import time
+import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
@@ -80,9 +85,13 @@ def check_api_key(request: Request) -> None:
     key = get_ctx(request).api_key
     if key is None:
         return
+    keys = [key] if isinstance(key, str) else key
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+    given = token.strip().encode()
+    # Every key is compared (no early exit), so timing says nothing about which one matched.
+    matches = [hmac.compare_digest(given, k.encode()) for k in keys]
+    if scheme.lower() != "bearer" or not any(matches):
         raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
                        None, "invalid_api_key")
 
@@ -123,6 +132,16 @@ async def models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": data})
 
 
+@v1.get("/models/{model_id}", responses=_errors(401, 404))
+async def model_card(model_id: str, request: Request) -> JSONResponse:
+    """One entry of /v1/models (OpenAI's retrieve-model call); 404 for an unknown id."""
+    listing = json.loads(bytes((await models(request)).body))
+    for card in listing["data"]:
+        if card["id"] == model_id:
+            return JSONResponse(card)
+    raise APIError(404, f"The model `{model_id}` does not exist.", "model", "model_not_found")
+
+
 @v1.post("/load_lora_adapter", responses=_errors(400, 401, 404, 503))
 async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> JSONResponse:
     return JSONResponse(await load_adapter(get_ctx(request), body))
@@ -140,6 +159,13 @@ async def health(request: Request) -> Response:
     if problem is not None:
         return JSONResponse(error_body(503, problem), status_code=503)
     return Response(status_code=200)
+
+
+@root.api_route("/ping", methods=["GET", "POST"], response_class=Response,
+                responses={200: {"description": "Healthy (empty body)", "content": {}}, **_errors(503)})
+async def ping(request: Request) -> Response:
+    """vLLM's /ping (SageMaker's health check): the same answer as /health."""
+    return await health(request)
 
 
 @root.get("/metrics", response_class=Response,
@@ -177,6 +203,22 @@ async def version() -> JSONResponse:
     return JSONResponse({"version": __version__})
 
 
+def _request_middleware(options: HTTPOptions) -> Any:
+    """X-Request-Id (the client's, or a new one) and/or one log line per request."""
+
+    async def middleware(request: Request, call_next: Any) -> Response:
+        start = time.perf_counter()
+        response = await call_next(request)
+        if options.request_id_headers:
+            response.headers["X-Request-Id"] = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if options.log_requests:
+            logger.info("%s %s -> %d in %.1f ms", request.method, request.url.path, response.status_code,
+                        (time.perf_counter() - start) * 1e3)
+        return response
+
+    return middleware
+
+
 class _App(FastAPI):
     def openapi(self) -> dict[str, Any]:
         """The document, less FastAPI's automatic 422 (this server answers 400 instead)."""
@@ -192,8 +234,36 @@ class _App(FastAPI):
         return self.openapi_schema
 
 
-def build_app(ctx: ServerContext) -> FastAPI:
+@dataclass(frozen=True)
+class HTTPOptions:
+    """How the app speaks HTTP (vLLM's frontend flags); the defaults are vLLM's."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    request_id_headers: bool = False  # X-Request-Id on every response
+    root_path: str | None = None
+    docs: bool = True  # /docs, /redoc, /openapi.json
+    log_requests: bool = False
+
+    @classmethod
+    def from_cli_args(cls, args: Any) -> HTTPOptions:
+        return cls(
+            allowed_origins=tuple(getattr(args, "allowed_origins", ["*"])),
+            allowed_methods=tuple(getattr(args, "allowed_methods", ["*"])),
+            allowed_headers=tuple(getattr(args, "allowed_headers", ["*"])),
+            allow_credentials=getattr(args, "allow_credentials", False),
+            request_id_headers=getattr(args, "enable_request_id_headers", False),
+            root_path=getattr(args, "root_path", None),
+            docs=not getattr(args, "disable_fastapi_docs", False),
+            log_requests=getattr(args, "enable_log_requests", False),
+        )
+
+
+def build_app(ctx: ServerContext, options: HTTPOptions | None = None) -> FastAPI:
     """The ASGI app; starting it starts the engine thread, stopping it aborts in-flight requests."""
+    options = options or HTTPOptions()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -206,8 +276,18 @@ def build_app(ctx: ServerContext) -> FastAPI:
             await ctx.engine.shutdown()
             ctx.tokenize_pool.shutdown(wait=False)
 
-    app = _App(title="pagedserve", version=__version__, lifespan=lifespan)
+    app = _App(
+        title="pagedserve", version=__version__, lifespan=lifespan, root_path=options.root_path or "",
+        docs_url="/docs" if options.docs else None, redoc_url="/redoc" if options.docs else None,
+        openapi_url="/openapi.json" if options.docs else None,
+    )
     app.state.ctx = ctx
+    app.add_middleware(
+        CORSMiddleware, allow_origins=list(options.allowed_origins), allow_methods=list(options.allowed_methods),
+        allow_headers=list(options.allowed_headers), allow_credentials=options.allow_credentials,
+    )
+    if options.request_id_headers or options.log_requests:
+        app.middleware("http")(_request_middleware(options))
     install_error_handlers(app)
     app.include_router(v1)
     app.include_router(root)

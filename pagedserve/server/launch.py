@@ -74,7 +74,7 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
         model_names=names,
         model_path=str(engine_args.model),
         metrics=metrics,
-        api_key=args.api_key or None,
+        api_key=api_keys(args.api_key),
         chat_template=load_chat_template(args.chat_template),
         max_queue_len=args.max_queue_len,
         loras=loras,
@@ -82,6 +82,16 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
     )
+
+
+def api_keys(flag: list[str] | None) -> list[str] | None:
+    """--api-key's keys, else $VLLM_API_KEY, else $PAGEDSERVE_API_KEY (None: no auth)."""
+    if flag:
+        return list(flag)
+    for variable in ("VLLM_API_KEY", "PAGEDSERVE_API_KEY"):
+        if os.environ.get(variable):
+            return [os.environ[variable]]
+    return None
 
 
 def usage_text(host: str, port: int, model: str, has_key: bool) -> str:
@@ -131,15 +141,16 @@ def make_server(app: Any, engine: Any, host: str, port: int, log_level: str, gra
 
 
 def serve(args: argparse.Namespace) -> int:
-    from pagedserve.server.api_server import build_app
+    from pagedserve.server.api_server import HTTPOptions, build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pagedserve.entrypoints.model_source import engine_args_from
 
     engine_args, default_name = engine_args_from(args)
     ctx = build_context(args, engine_args, default_name)
-    app = build_app(ctx)
-    server = make_server(app, ctx.engine, args.host, args.port, args.log_level, args.shutdown_timeout)
+    app = build_app(ctx, HTTPOptions.from_cli_args(args))
+    uvicorn_level = getattr(args, "uvicorn_log_level", None) or args.log_level
+    server = make_server(app, ctx.engine, args.host, args.port, uvicorn_level, args.shutdown_timeout)
     print(usage_text(args.host, args.port, ctx.model_names[0], ctx.api_key is not None), file=sys.stderr, flush=True)
     _keep_calm_on_signals()
     server.run()

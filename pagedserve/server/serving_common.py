@@ -43,7 +43,8 @@ class ServerContext:
     model_names: list[str]
     model_path: str
     metrics: ServerMetrics
-    api_key: str | None = None
+    # None: no auth; else any of these keys (a str is one key).
+    api_key: str | list[str] | None = None
     chat_template: str | None = None
     max_queue_len: int | None = None
     loras: LoRARegistry = field(default_factory=LoRARegistry)

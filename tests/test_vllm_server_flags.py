@@ -1,0 +1,61 @@
+"""A `vllm serve` command line, program name changed, passes a request through the openai client."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from server_fixtures import TEST_MODEL, running_server
+
+VLLM_ARGV = [
+    "--model", TEST_MODEL, "--max-model-len", "1k", "--kv-cache-memory-bytes", "16MiB", "--swap-space", "0.01",
+    "--enforce-eager", "--trust-remote-code", "--tokenizer-mode", "auto", "--load-format", "auto",
+    "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "warning",
+    "--api-key", "k1", "k2", "--allowed-origins", '["http://app.example"]', "--enable-request-id-headers",
+    "--disable-fastapi-docs", "--scheduling-policy", "fcfs", "--max-num-seqs", "8",
+]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(VLLM_ARGV) as live:
+        yield live
+
+
+def test_vllm_command_line_serves_with_either_key(server) -> None:
+    for key in ("k1", "k2"):
+        client = openai.OpenAI(base_url=server.v1, api_key=key, max_retries=0)
+        assert client.completions.create(model=TEST_MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.v1, api_key="k3", max_retries=0).models.list()
+    card = openai.OpenAI(base_url=server.v1, api_key="k1", max_retries=0).models.retrieve(TEST_MODEL)
+    assert card.id == TEST_MODEL
+    missing = httpx.get(server.v1 + "/models/nope", headers={"Authorization": "Bearer k1"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+
+def test_cors_request_id_ping_and_docs(server) -> None:
+    preflight = httpx.options(server.v1 + "/completions", headers={
+        "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "http://app.example"
+    other = httpx.options(server.v1 + "/completions", headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in other.headers
+    echoed = httpx.get(server.base_url + "/ping", headers={"X-Request-Id": "abc-123"})
+    assert echoed.status_code == 200 and echoed.headers["x-request-id"] == "abc-123"
+    assert httpx.post(server.base_url + "/ping").headers["x-request-id"]
+    assert httpx.get(server.base_url + "/docs").status_code == 404
+    assert httpx.get(server.base_url + "/openapi.json").status_code == 404
+
+
+def test_api_key_from_vllm_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedserve.server.launch import api_keys
+
+    monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert api_keys(None) == ["from-env"] and api_keys(["a", "b"]) == ["a", "b"]
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert api_keys(None) is None
