@@ -52,7 +52,8 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
         from pagedserve.models.source import resolve_model_source
 
         # N replicas on Ray: the same handlers, a router in place of the engine thread.
-        config = engine_args.create_engine_config()
+        # Each replica's config is one engine's; the ingress reads only its model source.
+        config = engine_args.replace(data_parallel_size=1, distributed_executor_backend=None).create_engine_config()
         engine = serving_engine = build_replica_set(args, engine_args, metrics)
         sampling_defaults = dict(resolve_model_source(config.model, config.torch_device()).sampling_defaults)
     else:
