@@ -491,3 +491,22 @@ def test_smollm2_greedy_equals_no_speculation(smollm2, smollm2_reference, propos
     assert stats.spec_num_draft_tokens > 0
     if proposer == "ngram":
         assert stats.spec_num_accepted_tokens >= stats.spec_num_draft_tokens / 2
+
+
+def test_structured_output_requests_do_not_speculate() -> None:
+    """A proposal row's grammar mask is the first row's: such requests must not speculate."""
+    from pagedserve.request import Request, RequestStatus
+    from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+    from pagedserve.spec_decode.speculator import Speculator
+
+    def running(params: SamplingParams) -> Request:
+        request = Request(request_id="r", prompt_token_ids=[1, 2, 3], sampling_params=params, eos_token_id=0,
+                          max_output_tokens=8)
+        request.status = RequestStatus.RUNNING
+        request.output_token_ids.append(4)
+        request.num_computed_tokens = request.num_tokens - 1
+        return request
+
+    assert Speculator._eligible(running(SamplingParams(max_tokens=8)))
+    constrained = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="a+"))
+    assert not Speculator._eligible(running(constrained))

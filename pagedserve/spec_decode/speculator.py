@@ -14,7 +14,8 @@ many were accepted and turns speculation off where it does not pay:
 
 Requests that never speculate: beams (their group picks tokens), requests still before
 their first output token, under min_tokens, with penalties or bad_words (those would have
-to count the proposals as outputs in every row).
+to count the proposals as outputs in every row), and structured-output requests (their
+grammar would have to advance through the proposals row by row).
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ class Speculator:
             # A multi-token bad word bans its last token after its prefix: per row, the
             # prefix would have to include the proposals before it.
             and not params.bad_words
+            # Each proposal row's grammar mask would need the matcher advanced through the
+            # proposals before it (the backends can roll back; this is not wired yet).
+            and params.structured_outputs is None
         )
 
     def _active(self, request: Request) -> bool:
