@@ -154,16 +154,13 @@ def batch1(engines: dict, prompts: list[str], args: argparse.Namespace) -> dict:
     return {name: _median(runs) for name, runs in per_run.items()}
 
 
-def concurrent(engines: dict, prompts: list[str], args: argparse.Namespace) -> dict:
-    rows = {}
-    for size in args.batch_sizes:
-        batch = (prompts * size)[:size]
-        per_run: dict[str, list[dict]] = {n: [] for n in ("off", "ngram-always", "draft")}
-        for _ in range(args.runs):
-            for name in per_run:
-                per_run[name].append(summarize([run_batch(engines[name], batch, args.max_tokens)]))
-        rows[size] = {name: _median(runs) for name, runs in per_run.items()}
-    return rows
+def concurrent(engines: dict, prompts: list[str], size: int, runs: int, max_tokens: int) -> dict:
+    batch = (prompts * size)[:size]
+    per_run: dict[str, list[dict]] = {n: [] for n in ("off", "ngram-always", "draft")}
+    for _ in range(runs):
+        for name in per_run:
+            per_run[name].append(summarize([run_batch(engines[name], batch, max_tokens)]))
+    return {name: _median(runs_) for name, runs_ in per_run.items()}
 
 
 def _median(runs: list[dict]) -> dict:
@@ -181,7 +178,8 @@ def print_table(title: str, rows: dict, base: str = "off") -> None:
     print(f"{'config':<14} {'tok/s':>8} {'vs off':>7} {'tok/fwd':>8} {'accept':>7}")
     for name, r in rows.items():
         ratio = r["tok_s"] / rows[base]["tok_s"]
-        print(f"{name:<14} {r['tok_s']:>8.2f} {ratio:>6.2f}x {r['tokens_per_forward']:>8.2f} {_fmt(r['acceptance'], '>7.2f')}")
+        print(f"{name:<14} {r['tok_s']:>8.2f} {ratio:>6.2f}x {r['tokens_per_forward']:>8.2f} {_fmt(r['acceptance'], '>7.2f')}",
+              flush=True)
 
 
 def main() -> int:
@@ -192,6 +190,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--concurrent-runs", type=int, default=1, help="runs per concurrent batch size")
+    parser.add_argument("--sections", default="batch1,concurrent", help="comma list: batch1, concurrent")
     parser.add_argument("--kv-cache-bytes", type=int, default=128 << 20)
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 prompt each, 16 tokens, 1 run, batch 2")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -204,19 +204,21 @@ def main() -> int:
     engines = build_engines(model, args)
     for llm in engines.values():  # warm-up: kernels, allocator
         run_batch(llm, ["Hi"], 4)
-    results = {
-        "batch1_copy": batch1(engines, copy_prompts, args),
-        "batch1_chat": batch1(engines, chat_prompts, args),
-        "concurrent_copy": concurrent(engines, copy_prompts, args),
-        "concurrent_chat": concurrent(engines, chat_prompts, args),
-    }
     print(f"model {model}, k={args.k}, draft = first {args.draft_layers} layers, {args.max_tokens} tokens, "
-          f"median of {args.runs} runs")
-    print_table("batch 1, copy-heavy prompts", results["batch1_copy"])
-    print_table("batch 1, open-ended chat", results["batch1_chat"])
-    for kind in ("copy", "chat"):
-        for size, rows in results[f"concurrent_{kind}"].items():
-            print_table(f"batch {size}, {kind} (speculation always on)", rows)
+          f"median of {args.runs} runs at batch 1, {args.concurrent_runs} when concurrent", flush=True)
+    # Each table prints as soon as it is measured: a full run takes a while on 2 cores.
+    results: dict = {}
+    sections = args.sections.split(",")
+    for kind, prompts in (("copy", copy_prompts), ("chat", chat_prompts)):
+        if "batch1" in sections:
+            results[f"batch1_{kind}"] = rows = batch1(engines, prompts, args)
+            print_table(f"batch 1, {'copy-heavy prompts' if kind == 'copy' else 'open-ended chat'}", rows)
+    for kind, prompts in (("copy", copy_prompts), ("chat", chat_prompts)):
+        if "concurrent" in sections:
+            results[f"concurrent_{kind}"] = by_size = {}
+            for size in args.batch_sizes:
+                by_size[size] = rows = concurrent(engines, prompts, size, args.concurrent_runs, args.max_tokens)
+                print_table(f"batch {size}, {kind} (speculation always on)", rows)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2, default=str))
     return 0

@@ -158,7 +158,11 @@ def _step_times(llm: LLM, batch: int, constrained: int, steps: int) -> float:
         params = free if i >= constrained else SamplingParams(
             max_tokens=steps + 8, temperature=1.0, seed=i, structured_outputs=StructuredOutputsParams(regex=regex))
         engine.add_request(None, {"prompt_token_ids": [5 + i, 6, 7, 8]}, params)
-    engine.step()  # the prefills
+    # Grammars compile in a worker thread and a constrained request is not scheduled until its
+    # grammar is ready, so early steps can be empty: time only once every request has a token.
+    decoding: set[str] = set()
+    while len(decoding) < batch:
+        decoding.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
