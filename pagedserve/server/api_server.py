@@ -28,6 +28,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve import __version__
+from pagedserve.server.docs import install_docs
 from pagedserve.server.errors import APIError, error_body, install_error_handlers
 from pagedserve.server.lora_admin import (
     LoadLoRARequest,
@@ -278,9 +279,10 @@ def build_app(ctx: ServerContext, options: HTTPOptions | None = None) -> FastAPI
 
     app = _App(
         title="pagedserve", version=__version__, lifespan=lifespan, root_path=options.root_path or "",
-        docs_url="/docs" if options.docs else None, redoc_url="/redoc" if options.docs else None,
-        openapi_url="/openapi.json" if options.docs else None,
+        docs_url=None, redoc_url=None, openapi_url="/openapi.json" if options.docs else None,
     )
+    if options.docs:
+        install_docs(app)
     app.state.ctx = ctx
     app.add_middleware(
         CORSMiddleware, allow_origins=list(options.allowed_origins), allow_methods=list(options.allowed_methods),
