@@ -348,11 +348,31 @@ def test_metrics_names(live_server: LiveServer) -> None:  # noqa: F811
     for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-                 "vllm:e2e_request_latency_seconds_bucket", "vllm:prefix_cache_queries_total",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+                 "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket",
+                 "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total", "pagedserve:kv_blocks_used", "pagedserve:kv_blocks_total"]:
         assert re.search(rf"^{re.escape(name)}\{{", text, re.M), name
     assert _metric(live_server, "vllm:generation_tokens_total") > 0
     assert _metric(live_server, "pagedserve:kv_blocks_total") > 0
+
+
+def test_request_phase_histograms(live_server: LiveServer) -> None:  # noqa: F811
+    """vLLM's queue / prefill / decode histograms: one observation per finished request, and the
+    three phases add up to no more than the request's end-to-end latency."""
+    live_server.wait_idle()
+    phases = ["vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds"]
+    names = [*phases, "vllm:e2e_request_latency_seconds"]
+    before = {n: (_metric(live_server, n + "_count"), _metric(live_server, n + "_sum")) for n in names}
+    client = openai.OpenAI(base_url=live_server.v1, api_key="x", max_retries=0)
+    assert _greedy(client, PROMPTS[0], 6, ignore_eos=True).usage.completion_tokens == 6
+    live_server.wait_idle()
+    after = {n: (_metric(live_server, n + "_count"), _metric(live_server, n + "_sum")) for n in names}
+    for name in names:
+        assert after[name][0] == before[name][0] + 1, name
+    spent = {n: after[n][1] - before[n][1] for n in names}
+    assert spent["vllm:request_decode_time_seconds"] > 0  # 6 tokens: the last comes after the first
+    assert sum(spent[n] for n in phases) <= spent["vllm:e2e_request_latency_seconds"] + 1e-3
 
 
 def test_no_leaks_when_idle(live_server: LiveServer) -> None:  # noqa: F811

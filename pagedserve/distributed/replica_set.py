@@ -268,6 +268,8 @@ class ReplicaSetEngine:
             flight.last_token_time[index] = now
             if output.finished:
                 self.observer.on_finished(now - flight.arrival_time, completion.finish_reason or "stop")
+                if output.metrics is not None:  # the replica's own clock: only differences are used
+                    self.observer.on_request_metrics(output.metrics)
             flight.group.put((index, output))
 
     def _replica_failed(self, replica: int, exc: BaseException) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from pagedserve.engine import registry
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine, PromptInput
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class EngineObserver:
     def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None: ...
     def on_tokens(self, itl_s: float | None, num_tokens: int) -> None: ...
     def on_finished(self, e2e_s: float, finish_reason: str) -> None: ...
+    def on_request_metrics(self, metrics: RequestMetrics) -> None: ...
     def on_stats(self, stats: EngineStats) -> None: ...
 
 
@@ -336,6 +337,8 @@ class AsyncLLMEngine:
         if output.finished:
             del self._tracked[output.request_id]
             self.observer.on_finished(now - tracked.arrival_time, completion.finish_reason or "stop")
+            if output.metrics is not None:
+                self.observer.on_request_metrics(output.metrics)
         return tracked.group, (tracked.index, output)
 
     def _deliver(self, batch: list[tuple[RequestGroup, Any]]) -> None:

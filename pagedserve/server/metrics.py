@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from pagedserve.engine.async_engine import EngineObserver
 from pagedserve.engine.llm_engine import EngineStats
+from pagedserve.outputs import RequestMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -58,10 +59,19 @@ class ServerMetrics(EngineObserver):
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", _E2E_BUCKETS)
+        # vLLM's request phases: waiting for the first schedule, from then to the first token, and
+        # from the first token to the last.
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Time waiting before first scheduled.",
+                                    _E2E_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Time from first scheduled to first token.", _E2E_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "Time from first token to last token.",
+                                     _E2E_BUCKETS)
         self._label = {"model_name": model_name}
         for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens,
                        self.prefix_queries, self.prefix_hits, self.spec_drafts, self.spec_draft_tokens,
-                       self.spec_accepted_tokens, self.ttft, self.itl, self.e2e):
+                       self.spec_accepted_tokens, self.ttft, self.itl, self.e2e,
+                       self.queue_time, self.prefill_time, self.decode_time):
             metric.labels(**self._label)  # expose zero-valued series from the start
         self._preemptions_seen = 0
         self._queries_seen = 0
@@ -86,6 +96,14 @@ class ServerMetrics(EngineObserver):
         self.request_success.labels(finished_reason=finish_reason, **self._label).inc()
         if finish_reason != "abort":
             self.e2e.labels(**self._label).observe(e2e_s)
+
+    def on_request_metrics(self, metrics: RequestMetrics) -> None:
+        if metrics.first_scheduled_time is None or metrics.first_token_time is None:
+            return
+        self.queue_time.labels(**self._label).observe(max(0.0, metrics.first_scheduled_time - metrics.arrival_time))
+        self.prefill_time.labels(**self._label).observe(max(0.0, metrics.first_token_time - metrics.first_scheduled_time))
+        last = metrics.last_token_time or metrics.first_token_time
+        self.decode_time.labels(**self._label).observe(max(0.0, last - metrics.first_token_time))
 
     def on_stats(self, stats: EngineStats) -> None:
         sched = stats.scheduler
