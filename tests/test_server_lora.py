@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -23,6 +24,8 @@ def setup(model_path, tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside")
     shutil.copytree(tone, outside / "tone")
     argv = ["llama-gqa", *SERVE_ARGS, "--enable-lora", "--lora-modules", f"sql={sql}",
+            # vLLM's JSON form of the same flag
+            json.dumps({"name": "tone-json", "path": str(tone), "base_model_name": "the-base"}),
             "--enable-lora-runtime-updates", "--lora-dir", str(root), "--max-lora-rank", "16"]
     with running_server(argv) as server:
         yield server, base, root, {"sql": sql, "tone": tone}, outside
@@ -40,6 +43,20 @@ def test_adapter_selected_by_model_name_equals_peft(setup):
     assert base_out.choices[0].token_ids != out.choices[0].token_ids
     models = {m.id: m for m in client.models.list().data}
     assert models["sql"].parent == "llama-gqa" and models["llama-gqa"].parent is None
+    assert models["tone-json"].parent == "the-base"
+    tone = client.completions.create(model="tone-json", prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"return_token_ids": True})
+    assert tone.choices[0].token_ids == peft_greedy(base, paths["tone"], prompt, 12)
+
+
+@pytest.mark.parametrize("spec", ["sql", "=p", '{"name": "x"}', '{"name": "x", "path": "p", "rank": 8}', "{bad"])
+def test_lora_module_specs_refused(spec):
+    from pagedserve.server.lora_admin import parse_lora_module
+
+    with pytest.raises(ValueError, match="--lora-modules"):
+        parse_lora_module(spec)
+    assert parse_lora_module('{"name": "a", "path": "/p"}') == ("a", "/p", None)
+    assert parse_lora_module("a=/p=q") == ("a", "/p=q", None)
 
 
 def test_runtime_load_and_unload(setup):

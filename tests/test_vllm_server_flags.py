@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import httpx
 import openai
 import pytest
@@ -14,6 +16,7 @@ VLLM_ARGV = [
     "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "warning",
     "--api-key", "k1", "k2", "--allowed-origins", '["http://app.example"]', "--enable-request-id-headers",
     "--disable-fastapi-docs", "--scheduling-policy", "fcfs", "--max-num-seqs", "8",
+    "--enable-server-load-tracking",
 ]
 
 
@@ -49,6 +52,20 @@ def test_cors_request_id_ping_and_docs(server) -> None:
     assert httpx.post(server.base_url + "/ping").headers["x-request-id"]
     assert httpx.get(server.base_url + "/docs").status_code == 404
     assert httpx.get(server.base_url + "/openapi.json").status_code == 404
+
+
+def test_load_counts_requests_in_flight(server) -> None:
+    assert httpx.get(server.base_url + "/load").json() == {"server_load": 0}
+    body = {"model": TEST_MODEL, "prompt": "hi", "max_tokens": 900, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(httpx.post, server.v1 + "/completions", json=body,
+                            headers={"Authorization": "Bearer k1"}, timeout=120)
+        seen = set()
+        while not reply.done():
+            seen.add(httpx.get(server.base_url + "/load").json()["server_load"])
+        assert reply.result().status_code == 200
+    assert 1 in seen and seen <= {0, 1}
+    assert httpx.get(server.base_url + "/load").json() == {"server_load": 0}
 
 
 def test_api_key_from_vllm_environment(monkeypatch: pytest.MonkeyPatch) -> None:

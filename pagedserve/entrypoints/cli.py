@@ -73,6 +73,8 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="format of the model's tool calls (hermes: <tool_call>{...}</tool_call>, as "
                             "Qwen2.5 / Hermes / SmolLM; use a --chat-template that renders tools)")
+    group.add_argument("--enable-server-load-tracking", action="store_true",
+                       help="accepted for vLLM compatibility: GET /load always reports the requests in flight")
     group.add_argument("--max-queue-len", type=int, default=None,
                        help="answer 503 while this many requests are waiting (default: unbounded)")
     group.add_argument("--stall-timeout", type=float, default=60.0,
@@ -82,8 +84,10 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="log level of the server and engine")
     lora = _group(parser, "LoRA adapters")
-    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                      help="adapters to serve; a request selects one with \"model\": NAME")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH|JSON",
+                      help="adapters to serve, each name=path or vLLM's JSON form "
+                           "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; "
+                           "a request selects one with \"model\": NAME")
     lora.add_argument("--enable-lora-runtime-updates", action="store_true",
                       help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     lora.add_argument("--lora-dir", action="append", default=[],

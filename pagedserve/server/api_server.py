@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLMEngine.
 
     /v1/completions /v1/chat/completions /v1/models    (Bearer auth when an API key is set)
-    /health /metrics /tokenize /detokenize /version
+    /health /ping /load /metrics /tokenize /detokenize /version
     /  /v1/stats                                       (the playground, server/playground.py)
 
 Life of a request: pydantic parses the body (errors -> 400), the handler checks the model
@@ -126,7 +126,7 @@ async def models(request: Request) -> JSONResponse:
     data += [
         {
             "id": name, "object": "model", "created": now_s(), "owned_by": "pagedserve",
-            "root": lora.lora_path, "parent": ctx.model_names[0], "max_model_len": ctx.engine.max_model_len,
+            "root": lora.lora_path, "parent": lora.base_model_name or ctx.model_names[0], "max_model_len": ctx.engine.max_model_len,
         }
         for name, lora in ctx.loras.adapters.items()
     ]
@@ -167,6 +167,12 @@ async def health(request: Request) -> Response:
 async def ping(request: Request) -> Response:
     """vLLM's /ping (SageMaker's health check): the same answer as /health."""
     return await health(request)
+
+
+@root.get("/load")
+async def load(request: Request) -> JSONResponse:
+    """vLLM's /load: generation requests the server is handling now (streams until their end)."""
+    return JSONResponse({"server_load": request.app.state.server_load.value})
 
 
 @root.get("/metrics", response_class=Response,
@@ -218,6 +224,34 @@ def _request_middleware(options: HTTPOptions) -> Any:
         return response
 
     return middleware
+
+
+class ServerLoad:
+    """vLLM's server load: HTTP generation requests from arrival until their response (a
+    stream: its last byte) has been sent."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+class _LoadTracking:
+    """Plain ASGI middleware, so a streaming body counts while it streams."""
+
+    def __init__(self, app: Any, load: ServerLoad) -> None:
+        self.app = app
+        self.load = load
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or not scope["path"].endswith(ServerLoad.PATHS):
+            await self.app(scope, receive, send)
+            return
+        self.load.value += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.value -= 1
 
 
 class _App(FastAPI):
@@ -290,6 +324,8 @@ def build_app(ctx: ServerContext, options: HTTPOptions | None = None) -> FastAPI
     )
     if options.request_id_headers or options.log_requests:
         app.middleware("http")(_request_middleware(options))
+    app.state.server_load = ServerLoad()
+    app.add_middleware(_LoadTracking, load=app.state.server_load)
     install_error_handlers(app)
     app.include_router(v1)
     app.include_router(root)

@@ -9,6 +9,7 @@ too (a symlinked weights file is refused), so a request cannot make the server r
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,29 @@ class UnloadLoRARequest(StrictRequest):
     lora_name: Annotated[str, Field(min_length=1, max_length=256)]
 
 
+def parse_lora_module(spec: str) -> tuple[str, str, str | None]:
+    """One --lora-modules item, in either of vLLM's forms: `name=path`, or a JSON object with
+    `name`, `path` and optionally `base_model_name`. Returns (name, path, base_model_name)."""
+    if spec.lstrip().startswith("{"):
+        try:
+            item = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--lora-modules: invalid JSON {spec!r}: {exc}") from None
+        unknown = set(item) - {"name", "path", "base_model_name"}
+        if unknown:
+            raise ValueError(f"--lora-modules: unknown key(s) {sorted(unknown)} in {spec!r}")
+        name, path, base = item.get("name"), item.get("path"), item.get("base_model_name")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError(f"--lora-modules: a JSON item needs string 'name' and 'path', got {spec!r}")
+        if base is not None and not isinstance(base, str):
+            raise ValueError(f"--lora-modules: 'base_model_name' must be a string in {spec!r}")
+        return name, path, base
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules: expected name=path or a JSON object, got {spec!r}")
+    return name, path, None
+
+
 @dataclass
 class LoRARegistry:
     """Served adapter names -> LoRARequest; ids are handed out in order."""
@@ -47,18 +71,17 @@ class LoRARegistry:
     loading: set[str] = field(default_factory=set)
     _next_id: int = 1
 
-    def new_request(self, name: str, path: str) -> LoRARequest:
-        request = LoRARequest(name, self._next_id, path)
+    def new_request(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        request = LoRARequest(name, self._next_id, path, base_model_name=base_model_name)
         self._next_id += 1
         return request
 
     def register_modules(self, engine, modules: list[str]) -> None:
-        """`--lora-modules name=path ...`: each adapter is loaded and validated now."""
+        """`--lora-modules name=path '{"name": ..., "path": ..., "base_model_name": ...}' ...`:
+        each adapter is loaded and validated now."""
         for spec in modules:
-            name, sep, path = spec.partition("=")
-            if not sep or not name or not path:
-                raise ValueError(f"--lora-modules: expected name=path, got {spec!r}")
-            request = self.new_request(name, path)
+            name, path, base = parse_lora_module(spec)
+            request = self.new_request(name, path, base)
             engine.lora_manager.register(request, load_now=True)
             self.adapters[name] = request
 
