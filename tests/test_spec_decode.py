@@ -493,20 +493,29 @@ def test_smollm2_greedy_equals_no_speculation(smollm2, smollm2_reference, propos
         assert stats.spec_num_accepted_tokens >= stats.spec_num_draft_tokens / 2
 
 
-def test_structured_output_requests_do_not_speculate() -> None:
-    """A proposal row's grammar mask is the first row's: such requests must not speculate."""
-    from pagedserve.request import Request, RequestStatus
-    from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
-    from pagedserve.spec_decode.speculator import Speculator
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_structured_outputs_speculate_exactly(target, specs, proposer):
+    """Constrained requests speculate too: each proposal row is masked by the grammar after
+    the proposals before it, and the matcher rolls back what is rejected. Greedy output
+    equals the unspeculated one and matches the constraint; sampled output stays valid."""
+    import re
 
-    def running(params: SamplingParams) -> Request:
-        request = Request(request_id="r", prompt_token_ids=[1, 2, 3], sampling_params=params, eos_token_id=0,
-                          max_output_tokens=8)
-        request.status = RequestStatus.RUNNING
-        request.output_token_ids.append(4)
-        request.num_computed_tokens = request.num_tokens - 1
-        return request
+    from pagedserve.sampling_params import StructuredOutputsParams
 
-    assert Speculator._eligible(running(SamplingParams(max_tokens=8)))
-    constrained = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="a+"))
-    assert not Speculator._eligible(running(constrained))
+    pattern = "(ab|cd)( (ab|cd)){11}"  # repetitive, so n-gram lookup finds runs in the output
+    constraint = StructuredOutputsParams(regex=pattern)
+    greedy = SamplingParams(max_tokens=40, temperature=0, structured_outputs=constraint)
+    sampled = SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured_outputs=constraint)
+    plain = make_llm(target).generate(GREEDY_PROMPTS, greedy, use_tqdm=False)
+    llm = make_llm(target, specs[proposer], block_size=4, num_gpu_blocks_override=40, max_model_len=80)
+    outs = llm.generate(GREEDY_PROMPTS, greedy, use_tqdm=False)
+    for ref, out in zip(plain, outs, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+    for out in llm.generate(GREEDY_PROMPTS, sampled, use_tqdm=False):
+        assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+    stats = spec_stats(llm)
+    assert stats.spec_num_draft_tokens > 0
+    if proposer == "ngram":  # copies of the constrained output: runs accepted, some rejected
+        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    # (The draft model proposes without the grammar, so its proposals are mostly rejected.)

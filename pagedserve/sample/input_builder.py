@@ -13,10 +13,13 @@ def build_sampling_metadata(
     generators: dict[str, torch.Generator],
     vocab_size: int,
     device: torch.device,
+    proposed: list[list[int]] | None = None,
 ) -> SamplingMetadata:
     """Args:
         requests: one per logits row, in row order.
         generators: the runner's per-request generators; seeded requests get theirs here.
+        proposed: per row, the speculative proposals that precede it (a request verifying
+            x_1..x_k has rows [], [x_1], ..., [x_1..x_k]); only the grammar masks read them.
     """
     params = [r.sampling_params for r in requests]
     n = len(requests)
@@ -42,7 +45,7 @@ def build_sampling_metadata(
         (vocab_size if p.logprobs == -1 else p.logprobs for p in params if p.logprobs is not None), default=None
     )
     # Before the biases: it brings each matcher up to date (min_tokens asks whether it ended).
-    grammar_bitmask = _grammar_bitmask(requests, vocab_size, device)
+    grammar_bitmask = _grammar_bitmask(requests, vocab_size, device, proposed)
     return SamplingMetadata(
         num_rows=n,
         all_greedy=all_greedy,
@@ -60,7 +63,7 @@ def build_sampling_metadata(
 
 
 def _grammar_bitmask(
-    requests: list[Request], vocab_size: int, device: torch.device
+    requests: list[Request], vocab_size: int, device: torch.device, proposed: list[list[int]] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Each constrained row's allowed tokens, filled by its own matcher (host, then one copy)."""
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
@@ -70,7 +73,9 @@ def _grammar_bitmask(
     for index, row in enumerate(rows):
         request = requests[row]
         assert request.grammar is not None
-        request.grammar.fill_bitmask(request.output_token_ids, bitmask, index)
+        prefix = proposed[row] if proposed is not None else []
+        tokens = request.output_token_ids + prefix if prefix else request.output_token_ids
+        request.grammar.fill_bitmask(tokens, bitmask, index, num_proposed=len(prefix))
     return torch.tensor(rows, dtype=torch.int64, device=device), bitmask.to(device)
 
 

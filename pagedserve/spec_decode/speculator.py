@@ -14,8 +14,9 @@ many were accepted and turns speculation off where it does not pay:
 
 Requests that never speculate: beams (their group picks tokens), requests still before
 their first output token, under min_tokens, with penalties or bad_words (those would have
-to count the proposals as outputs in every row), and structured-output requests (their
-grammar would have to advance through the proposals row by row).
+to count the proposals as outputs in every row). Structured-output requests do speculate:
+each proposal row's grammar mask follows the proposals before it, and the matcher rolls
+back what is rejected (structured_outputs/manager.py).
 """
 
 from __future__ import annotations
@@ -91,9 +92,6 @@ class Speculator:
             # A multi-token bad word bans its last token after its prefix: per row, the
             # prefix would have to include the proposals before it.
             and not params.bad_words
-            # Each proposal row's grammar mask would need the matcher advanced through the
-            # proposals before it (the backends can roll back; this is not wired yet).
-            and params.structured_outputs is None
         )
 
     def _active(self, request: Request) -> bool:

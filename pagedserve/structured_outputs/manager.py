@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("llguidance", "xgrammar")
 DEFAULT_BACKEND = "llguidance"  # chosen by benchmarks/structured.py: see BENCHMARKS.md
 _CACHE_SIZE = 512
+# Tokens compared at the end of a sequence to find rejected proposals (>= the longest run).
+_TAIL_CHECK = 16
 
 
 class StructuredOutputManager:
@@ -123,11 +125,17 @@ class RequestGrammar:
         self._eos_token_id = eos_token_id
         self._failed = False
 
-    def fill_bitmask(self, output_token_ids: list[int], bitmask: torch.Tensor, row: int) -> None:
-        """Writes the tokens allowed after `output_token_ids` into `bitmask[row]`."""
+    def fill_bitmask(self, output_token_ids: list[int], bitmask: torch.Tensor, row: int,
+                     num_proposed: int = 0) -> None:
+        """Writes the tokens allowed after `output_token_ids` into `bitmask[row]`.
+
+        The last `num_proposed` of those tokens are speculative proposals being verified
+        (a proposal row's mask follows the proposals before it); one the grammar refuses is
+        expected, not an error: the row before it masks it out, so it is rejected.
+        """
         if self._matcher is None:
             self._matcher = self._grammar.new_matcher()
-        self._catch_up(output_token_ids)
+        self._catch_up(output_token_ids, num_proposed)
         if self._failed:
             # Cannot happen with masks applied; if it does, end the sequence rather than guess.
             bitmask[row].zero_()
@@ -139,22 +147,26 @@ class RequestGrammar:
     def is_terminated(self) -> bool:
         return self._matcher is not None and self._matcher.is_terminated()
 
-    def _catch_up(self, tokens: list[int]) -> None:
+    def _catch_up(self, tokens: list[int], num_proposed: int = 0) -> None:
         assert self._matcher is not None
         done = self._consumed
         n = len(done)
-        if n > len(tokens) or (n and tokens[n - 1] != done[-1]):
+        # Kept tokens only ever grow; what can change is the tail (rejected proposals), so
+        # comparing the last few tokens finds where the sequence left the matcher's path.
+        tail = min(n, _TAIL_CHECK)
+        if n > len(tokens) or done[n - tail:] != tokens[n - tail:n]:
             keep = 0
             while keep < min(n, len(tokens)) and done[keep] == tokens[keep]:
                 keep += 1
             self._matcher.rollback(n - keep)
             del done[keep:]
-            self._failed = False
-        for token in tokens[len(done):]:
-            if self._failed:
-                break
+        self._failed = False
+        first_proposed = len(tokens) - num_proposed
+        for index in range(len(done), len(tokens)):
+            token = tokens[index]
             if not self._matcher.accept_token(token):
-                logger.warning("grammar rejected token %d after %d tokens; ending the sequence", token, len(done))
+                if index < first_proposed:
+                    logger.warning("grammar rejected token %d after %d tokens; ending the sequence", token, index)
                 self._failed = True
                 break
             done.append(token)

@@ -249,10 +249,16 @@ class ModelRunner:
             r for item in items
             for r in (item.request, *item.fork_requests, *[item.request] * len(item.spec_token_ids))
         ]
+        # Row j of a verifying request comes after its first j proposals (grammar masks).
+        proposed = [
+            prefix for item in items
+            for prefix in ([[]] * (1 + len(item.fork_requests))
+                           + [item.spec_token_ids[:j] for j in range(1, len(item.spec_token_ids) + 1)])
+        ] if any(item.spec_token_ids for item in items) else None
         if self.faults is not None:
             for request in rows:
                 self.faults.check("sampling_inputs", request.request_id)
-        return build_sampling_metadata(rows, self.generators, self.vocab_size, self.device)
+        return build_sampling_metadata(rows, self.generators, self.vocab_size, self.device, proposed)
 
     def _sampling_inputs(
         self, sched: SchedulerOutput, logits_indices: torch.Tensor
