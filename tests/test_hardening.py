@@ -309,7 +309,7 @@ def test_openapi_document_describes_the_server(server: LiveServer) -> None:
 # Fields a vLLM / OpenAI client may send that this server does not implement: each is a 400
 # naming it, never silently ignored (issue #16.6). Structured outputs (response_format,
 # tools, guided_*, structured_outputs) and prompt_logprobs leave this list when implemented.
-UNSUPPORTED = [ "continue_final_message", "chat_template_kwargs",
+UNSUPPORTED = [
     "return_tokens_as_token_ids", "priority", "suffix", "no_such_field",
 ]
 

@@ -33,6 +33,16 @@ def _group(parser: argparse.ArgumentParser, title: str) -> Any:
     return parser.add_argument_group(title)
 
 
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return parsed
+
+
 def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     from pagedserve.tool_parsers import TOOL_PARSERS
 
@@ -67,6 +77,12 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
                        help="uvicorn's own log level (default: --log-level)")
     group.add_argument("--chat-template", default=None,
                        help="chat template (a Jinja file, or the template itself) overriding the tokenizer's")
+    group.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
+                       help="message content as the template wants it: a string (text parts joined), OpenAI's "
+                            "list of parts, or auto (looked up in the template)")
+    group.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                       help='extra chat template variables for every request, e.g. \'{"enable_thinking": false}\' '
+                            "(a request's chat_template_kwargs override them key by key)")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='let tool_choice "auto" (the default with tools) parse tool calls out of the '
                             "model's text with --tool-call-parser")

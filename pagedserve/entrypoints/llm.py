@@ -121,16 +121,23 @@ class LLM:
         messages: ChatMessages | list[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
         lora_request: LoRARequest | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the chat template to each conversation, then generates.
+        """Applies the chat template to each conversation, then generates (vLLM's signature).
 
+        Message content may be a string or OpenAI's list of text parts; `chat_template_content_format`
+        says how the template wants it ("auto" looks at the template). continue_final_message
+        (with add_generation_prompt=False) lets the model continue the last message.
         tools: OpenAI-style tool definitions, rendered by the template (which must know
         tools: see pagedserve/chat_templates/hermes_tools.jinja); assistant messages may
-        carry tool_calls and role "tool" messages their results.
+        carry tool_calls and role "tool" messages their results. chat_template_kwargs: extra
+        template variables.
         """
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
@@ -138,8 +145,11 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptInput] = []
         for conversation in conversations:
-            text, token_ids = render_chat(tokenizer, conversation, chat_template=chat_template, tools=tools,
-                                          add_generation_prompt=add_generation_prompt)
+            text, token_ids = render_chat(
+                tokenizer, conversation, chat_template=chat_template, tools=tools,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs, chat_template_content_format=chat_template_content_format,
+            )
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 

@@ -77,6 +77,8 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
         metrics=metrics,
         api_key=api_keys(args.api_key),
         chat_template=load_chat_template(args.chat_template),
+        chat_template_content_format=getattr(args, "chat_template_content_format", "auto"),
+        default_chat_template_kwargs=getattr(args, "default_chat_template_kwargs", None) or {},
         max_queue_len=args.max_queue_len,
         loras=loras,
         sampling_defaults=sampling_defaults,

@@ -275,10 +275,12 @@ class ChatMessage(StrictRequest):
     tool_call_id: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
-        content = self.content
+        """The message as a chat template takes it (chat_utils puts the content in the
+        template's format: a string, or the list of text parts)."""
+        content: Any = self.content
         if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+            content = [part.model_dump() for part in content]
+        message: dict[str, Any] = {"role": self.role, "content": content if content is not None else ""}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
@@ -323,6 +325,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -338,6 +342,8 @@ class TokenizeChatRequest(StrictRequest):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # vLLM's two shapes of /tokenize: exactly one of prompt and messages.

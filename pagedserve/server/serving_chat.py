@@ -56,6 +56,8 @@ from pagedserve.server.tool_calls import ToolMode, ToolStream
 class TokenizeRequestLike(Protocol):
     messages: Any
     add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template_kwargs: dict[str, Any] | None
 
 
 async def render_chat(ctx: ServerContext, body: ChatCompletionRequest | TokenizeRequestLike) -> list[int]:
@@ -72,6 +74,9 @@ def _render(ctx: ServerContext, body: ChatCompletionRequest | TokenizeRequestLik
         _, token_ids = chat_utils.render_chat(
             ctx.tokenizer, [m.as_template_input() for m in body.messages or []],
             chat_template=ctx.chat_template, tools=tools, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            chat_template_kwargs={**ctx.default_chat_template_kwargs, **(body.chat_template_kwargs or {})},
+            chat_template_content_format=ctx.chat_template_content_format,
             require_tools=getattr(body, "tool_choice", None) != "none",
         )
     except chat_utils.ChatTemplateError as exc:

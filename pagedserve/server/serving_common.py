@@ -46,6 +46,10 @@ class ServerContext:
     # None: no auth; else any of these keys (a str is one key).
     api_key: str | list[str] | None = None
     chat_template: str | None = None
+    # --chat-template-content-format and --default-chat-template-kwargs (a request's own
+    # chat_template_kwargs win key by key).
+    chat_template_content_format: str = "auto"
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_queue_len: int | None = None
     loras: LoRARegistry = field(default_factory=LoRARegistry)
     # Tokenization and chat templates run here, off the event loop. One worker: HF fast
