@@ -66,6 +66,11 @@ class LLMEngine:
 
     _created = itertools.count()
 
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> LLMEngine:
+        """vLLM's constructor: the engine an `EngineArgs` describes."""
+        return cls(engine_args.create_engine_config())
+
     def __init__(self, config: EngineConfig, faults: FaultInjector | None = None) -> None:
         self.config = config
         self.faults = faults
