@@ -201,6 +201,9 @@ class EngineConfig:
                 "speculative_config needs the paged KV cache and continuous batching "
                 f"(got kv_allocation={self.cache.kv_allocation!r}, batching={self.scheduler.batching!r})"
             )
+        if self.lora is not None and self.cache.kv_allocation != "paged":
+            # Adapters are paged into the KV block pool; a contiguous baseline has none.
+            raise ValueError(f"enable_lora needs kv_allocation='paged', got {self.cache.kv_allocation!r}")
 
     def torch_device(self) -> torch.device:
         """The device as a torch object (`dtypes.torch_device`); imports torch."""

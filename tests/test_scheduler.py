@@ -215,9 +215,10 @@ def test_adapter_residency_comes_in_through_the_constructor():
     # The batch is grouped by adapter, base model first, and carries adapter 1's placement.
     assert plan(out) == [("r2", 4), ("r1", 4), ("r4", 4)]
     assert out.lora_adapters == {1: adapters.placements[1]}
-    assert [r.request_id for r in sched.failed] == ["r3"]
-    assert sched.failed[0].status == RequestStatus.FINISHED_ERROR
-    assert sched.failed[0].stop_reason == "adapter 3 is corrupt"
+    failed = sched.take_failed()
+    assert [r.request_id for r in failed] == ["r3"] and sched.take_failed() == []
+    assert failed[0].status == RequestStatus.FINISHED_ERROR
+    assert failed[0].stop_reason == "adapter 3 is corrupt"
     assert adapters.pins == {1: 2}  # pinned by its two running requests
     adapters.states[2] = Residency.READY
     out = run_step(sched)

@@ -208,6 +208,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def take_failed(self) -> list[Request]:
+        """Requests that failed in the scheduler since the last call (their adapter did not
+        load), already finished with FINISHED_ERROR, for the engine to report."""
+        failed, self.failed = self.failed, []
+        return failed
+
     # ---- scheduling --------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

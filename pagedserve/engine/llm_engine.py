@@ -196,11 +196,7 @@ class LLMEngine:
         """The adapters' manager, placing them in the KV block pool; the scheduler asks it
         what is resident and hands placements to the runner in each `SchedulerOutput`."""
         assert self.config.lora is not None
-        if not isinstance(self.kv_manager, KVCacheManager):
-            raise ValueError(
-                f"enable_lora needs kv_allocation='paged' (adapters live in KV blocks), "
-                f"got {self.config.cache.kv_allocation!r}"
-            )
+        assert isinstance(self.kv_manager, KVCacheManager), "EngineConfig checks: LoRA needs the paged pool"
         return LoRAManager(
             self.config.lora,
             self.kv_manager.pool,
@@ -448,8 +444,7 @@ class LLMEngine:
             self.speculator.observe(sched_out, runner_out.extra_token_ids)
         if self.beam_search.has_work():
             self.beam_search.apply_decisions()
-        failed += self.scheduler.failed
-        self.scheduler.failed = []
+        failed += self.scheduler.take_failed()
         self._record_step(sched_out)
         logprobs_by_id = _logprobs_by_request(sched_out, runner_out)
         for item, prompt_lp in zip(sched_out.scheduled, runner_out.prompt_logprobs, strict=False):
