@@ -182,13 +182,14 @@ class TeacherForced:
 
         from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
         from pagedserve.config import ModelConfig
+        from pagedserve.dtypes import serving_dtype
         from pagedserve.models.layers.attention import Attention
         from pagedserve.models.loader import load_model
         from pagedserve.worker.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_torch_dtype
 
         mc = ModelConfig(path, dtype=config.get("dtype", "float32"),
                          quantization=config.get("quantization"))
-        dtype = mc.torch_dtype(torch.device("cpu"))
+        dtype = serving_dtype(mc.dtype, torch.device("cpu"))
         self.model, _ = load_model(path, dtype, torch.device("cpu"), mc.quant_config())
         self.backend, self.chunk, self.block = TorchPagedAttentionBackend(), chunk, 16
         attn = sorted((m for m in self.model.modules() if isinstance(m, Attention)),

@@ -2,31 +2,32 @@
 
 Values derived at start-up (number of KV blocks, the resolved max_model_len, the EOS id)
 live on the engine, never written back here.
+
+Plain values only, no torch: `core/` reads these settings and stays importable without
+torch. The torch objects they name (device, dtypes) are resolved in `dtypes.py`.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import pathlib
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from pagedserve.quantization import QuantizationConfig
 from pagedserve.spec_decode.config import SpeculativeConfig
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+# ModelConfig.dtype's accepted names -> torch's name for the dtype.
+DTYPE_ALIASES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
@@ -51,8 +52,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self.quant_config()  # validates
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPE_ALIASES)}; got {self.dtype!r}")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head=True needs quantization='int8' or 'int4'")
 
@@ -62,44 +63,6 @@ class ModelConfig:
         return QuantizationConfig(
             self.quantization, self.quantization_group_size, self.quantize_lm_head
         )
-
-    def torch_dtype(self, device: torch.device, checkpoint: torch.dtype | None = None,
-                    dequantized: bool = False) -> torch.dtype:
-        """The serving dtype. "auto" follows the checkpoint, as vLLM does (see `auto_dtype`)."""
-        if self.dtype == "auto":
-            dtype = auto_dtype(device, checkpoint, dequantized)
-            logger.info("dtype=auto: serving in %s (checkpoint: %s)", str(dtype).removeprefix("torch."),
-                        "quantized, dequantized at load" if dequantized else checkpoint or "unspecified")
-            return dtype
-        return _DTYPES[self.dtype]
-
-
-def auto_dtype(device: torch.device, checkpoint: torch.dtype | None, dequantized: bool) -> torch.dtype:
-    """vLLM's dtype="auto": the checkpoint's dtype, but float16 -> bfloat16 on CPU (no fast
-    fp16 GEMM there); a quantized checkpoint dequantized at load -> bfloat16 where the CPU has
-    native bf16 instructions, else float32; float32 when the checkpoint says nothing."""
-    if dequantized:
-        if device.type != "cpu" or cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
-    if checkpoint is None or checkpoint not in (torch.float32, torch.bfloat16, torch.float16):
-        return torch.float32
-    if checkpoint == torch.float16 and device.type == "cpu":
-        return torch.bfloat16
-    return checkpoint
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags (False where it cannot be read)."""
-    try:
-        flags = next(
-            line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        ).split()
-    except (OSError, StopIteration):
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @dataclass(frozen=True)
@@ -176,9 +139,6 @@ class LoRAConfig:
         if self.lora_dtype not in _LORA_DTYPES:
             raise ValueError(f"lora_dtype must be one of {', '.join(_LORA_DTYPES)}; got {self.lora_dtype!r}")
 
-    def torch_lora_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return model_dtype if self.lora_dtype == "auto" else getattr(torch, self.lora_dtype)
-
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
@@ -241,8 +201,12 @@ class EngineConfig:
                 "speculative_config needs the paged KV cache and continuous batching "
                 f"(got kv_allocation={self.cache.kv_allocation!r}, batching={self.scheduler.batching!r})"
             )
+        if self.lora is not None and self.cache.kv_allocation != "paged":
+            # Adapters are paged into the KV block pool; a contiguous baseline has none.
+            raise ValueError(f"enable_lora needs kv_allocation='paged', got {self.cache.kv_allocation!r}")
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        """The device as a torch object (`dtypes.torch_device`); imports torch."""
+        from pagedserve.dtypes import torch_device
+
+        return torch_device(self.device)

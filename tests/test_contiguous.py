@@ -277,3 +277,13 @@ def test_extent_pool_matches_a_first_fit_bitmap():
             assert pool.num_free_blocks == used.count(False)
 
     check()
+
+
+def test_lora_is_refused_with_contiguous_allocation():
+    """Adapters are paged into the KV block pool, which the baselines do not have: refused
+    when the config is built (naming the field), not when the first adapter is placed."""
+    from pagedserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
+
+    with pytest.raises(ValueError, match="kv_allocation='paged'"):
+        EngineConfig(ModelConfig("m"), CacheConfig(kv_allocation="contiguous-max"), lora=LoRAConfig())
+    EngineConfig(ModelConfig("m"), CacheConfig(kv_allocation="paged"), lora=LoRAConfig())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import auto_dtype, cpu_has_native_bf16
+from pagedserve.dtypes import auto_dtype, cpu_has_native_bf16
 from pagedserve.models.hub import resolve_model_path
 from pagedserve.server.protocol import CompletionRequest
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.protocols import Residency
 from pagedserve.core.scheduler import Scheduler, SchedulerLimits
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
@@ -168,3 +169,62 @@ def test_priority_preempts_the_lowest_priority_first():
     assert preempted[0] == "unimportant-early"
     assert "important-late" in [r.request_id for r in sched.running]
     assert sched.waiting[0].request_id == "unimportant-early"
+
+
+class FakeAdapters:
+    """An `AdapterResidency` (core/protocols.py) with adapters in given states; counts pins."""
+
+    def __init__(self, states: dict[int, Residency]) -> None:
+        self.states = states
+        self.pins: dict[int, int] = {}
+        self.placements = {lora_id: object() for lora_id in states}
+
+    def prepare(self, lora_id: int) -> Residency:
+        return self.states[lora_id]
+
+    def error(self, lora_id: int) -> Exception:
+        return ValueError(f"adapter {lora_id} is corrupt")
+
+    def acquire(self, lora_id: int) -> None:
+        self.pins[lora_id] = self.pins.get(lora_id, 0) + 1
+
+    def release(self, lora_id: int) -> None:
+        self.pins[lora_id] -= 1
+
+    def evict_idle(self) -> bool:
+        return False
+
+    def resident(self, lora_id: int) -> object:
+        assert self.states[lora_id] is Residency.READY, "placement asked for an adapter not resident"
+        return self.placements[lora_id]
+
+
+def with_adapter(rid: str, lora_id: int, arrival: float) -> Request:
+    request = make_request(rid, 4, max_tokens=2, arrival=arrival)
+    request.lora_id = lora_id
+    return request
+
+
+def test_adapter_residency_comes_in_through_the_constructor():
+    adapters = FakeAdapters({1: Residency.READY, 2: Residency.LOADING, 3: Residency.FAILED})
+    sched = Scheduler(SchedulerLimits(8, 64, True), KVCacheManager(64, 4), lora=adapters)
+    for i, lora_id in enumerate([2, 1, 0, 3, 1]):
+        sched.add_request(with_adapter(f"r{i}", lora_id, arrival=i))
+    out = run_step(sched)
+    # Loading adapter 2: r0 waits, later requests go first; failed adapter 3: r3 ends alone.
+    # The batch is grouped by adapter, base model first, and carries adapter 1's placement.
+    assert plan(out) == [("r2", 4), ("r1", 4), ("r4", 4)]
+    assert out.lora_adapters == {1: adapters.placements[1]}
+    failed = sched.take_failed()
+    assert [r.request_id for r in failed] == ["r3"] and sched.take_failed() == []
+    assert failed[0].status == RequestStatus.FINISHED_ERROR
+    assert failed[0].stop_reason == "adapter 3 is corrupt"
+    assert adapters.pins == {1: 2}  # pinned by its two running requests
+    adapters.states[2] = Residency.READY
+    out = run_step(sched)
+    assert plan(out) == [("r2", 1), ("r1", 1), ("r4", 1), ("r0", 4)]
+    assert out.lora_adapters == {1: adapters.placements[1], 2: adapters.placements[2]}
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert adapters.pins == {1: 0, 2: 0}
+    sched.kv.assert_all_free()

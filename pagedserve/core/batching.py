@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.protocols import AdapterResidency, KVManager
 from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.core.scheduler import PreemptionPolicy, Scheduler, SchedulerLimits
 from pagedserve.request import Request
@@ -44,23 +44,24 @@ class BatchScheduler(Scheduler):
         policy: "static" or "dynamic".
         window_s: dynamic batching's longest wait for the oldest request, in seconds.
         clock: the time `window_s` and arrival times are measured on.
-        preemption: as for `Scheduler`.
+        preemption, lora: as for `Scheduler`.
     """
 
     def __init__(
         self,
         limits: SchedulerLimits,
-        kv_manager: KVCacheManager,
+        kv_manager: KVManager,
         policy: str,
         window_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
         preemption: PreemptionPolicy | None = None,
+        lora: AdapterResidency | None = None,
     ) -> None:
         if policy not in BATCH_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(BATCH_POLICIES)}; got {policy!r}")
         if window_s < 0:
             raise ValueError(f"batch_window_s must be >= 0, got {window_s}")
-        super().__init__(limits, kv_manager, preemption)
+        super().__init__(limits, kv_manager, preemption, lora)
         self.policy = policy
         self.window_s = window_s
         self.clock = clock
@@ -125,9 +126,10 @@ class BatchScheduler(Scheduler):
 def build_batch_scheduler(
     kind: str,
     limits: SchedulerLimits,
-    kv: KVCacheManager,
+    kv: KVManager,
     window_s: float,
     preemption: PreemptionPolicy | None = None,
+    lora: AdapterResidency | None = None,
 ) -> Scheduler:
     """The scheduler for `SchedulerConfig.batching` == kind ("static" or "dynamic")."""
-    return BatchScheduler(limits, kv, kind, window_s, preemption=preemption)
+    return BatchScheduler(limits, kv, kind, window_s, preemption=preemption, lora=lora)

@@ -1,5 +1,5 @@
 """Contiguous KV allocation: the baselines paging is measured against (the vLLM paper's
-Orca-Max, Orca-Pow2 and Orca-Oracle), behind the KVCacheManager interface.
+Orca-Max, Orca-Pow2 and Orca-Oracle), behind the `core.protocols.KVManager` interface.
 
 The KV memory is the same array of `num_blocks` blocks the paged manager gets. Each
 sequence owns ONE region of consecutive block ids, reserved when it is first admitted:
@@ -68,6 +68,10 @@ class ExtentPool:
     @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
+
+    def num_evictable_cached_blocks(self) -> int:
+        """Always 0 (nothing is cached); for stats that read either kind of pool."""
+        return 0
 
     def free_extents(self) -> list[tuple[int, int]]:
         """(start, length) of every free extent, by start."""
@@ -218,8 +222,16 @@ class ContiguousKVCacheManager:
         self.num_copied_blocks = 0
 
     @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
 
     @property
     def usage(self) -> float:
@@ -301,6 +313,9 @@ class ContiguousKVCacheManager:
     def fork(self, parent_id: str, child_id: str) -> None:
         raise NotImplementedError("contiguous allocation cannot share a region between sequences")
 
+    def rollback(self, seq_id: str, num_tokens: int) -> None:
+        raise NotImplementedError("speculative decoding needs the paged KV cache")
+
     def free(self, seq_id: str) -> None:
         """Releases the sequence's region and drops copies into it not yet applied."""
         region = self.regions.pop(seq_id, None)
@@ -316,7 +331,7 @@ class ContiguousKVCacheManager:
     def swap_out(self, seq_id: str) -> list[tuple[int, int]]:
         raise NotImplementedError("contiguous allocation preempts by recompute only")
 
-    def can_swap_in(self, seq_id: str) -> bool:
+    def can_swap_in(self, seq_id: str, num_tokens: int = 0) -> bool:
         return False
 
     def swap_in(self, seq_id: str) -> list[tuple[int, int]]:
@@ -331,6 +346,9 @@ class ContiguousKVCacheManager:
         return []
 
     def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        return None
+
+    def reset_prefix_cache(self) -> None:
         return None
 
     def take_pending_copies(self) -> list[tuple[int, int]]:

@@ -43,7 +43,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Owns every sequence's block table; asks the block pool for blocks and references."""
+    """Owns every sequence's block table; asks the block pool for blocks and references.
+
+    Implements `core.protocols.KVManager`, the scheduler's view of it.
+    """
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_caching: bool = False, num_swap_blocks: int = 0
@@ -61,8 +64,16 @@ class KVCacheManager:
         self._num_published: dict[str, int] = {}
 
     @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
 
     @property
     def usage(self) -> float:
@@ -181,8 +192,11 @@ class KVCacheManager:
         self.pool.release(reversed(table))
         return list(zip(table, host, strict=True))
 
-    def can_swap_in(self, seq_id: str) -> bool:
-        return len(self.swapped_tables[seq_id]) <= self.pool.num_free_blocks
+    def can_swap_in(self, seq_id: str, num_tokens: int = 0) -> bool:
+        """Whether the swapped sequence's blocks fit back, and with them slots for its first
+        `num_tokens` tokens (what `allocate_slots` will ask right after `swap_in`)."""
+        needed = max(len(self.swapped_tables[seq_id]), cdiv(num_tokens, self.block_size))
+        return needed <= self.pool.num_free_blocks
 
     def swap_in(self, seq_id: str) -> list[tuple[int, int]]:
         """Brings a swapped sequence back to fresh device blocks; returns (host, device) pairs."""
@@ -251,6 +265,10 @@ class KVCacheManager:
         for index in range(start, end):
             self.pool.cache(table[index], hashes[index])
         self._num_published[seq_id] = end
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every published block hash (the engine refuses this while requests run)."""
+        self.pool.reset_prefix_cache()
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) block pairs accumulated since the last call."""

@@ -40,16 +40,10 @@ import bisect
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.protocols import AdapterResidency, KVManager, Residency
 from pagedserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagedserve.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from pagedserve.lora.manager import LoRAManager
-
-from pagedserve.lora.residency import Residency
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,16 +99,26 @@ def _priority_order(request: Request) -> tuple[int, float, int]:
 
 
 class Scheduler:
+    """Args:
+        limits: the step's token budget and sequence cap, chunking, queue order.
+        kv_manager: the KV slots (core/protocols.py `KVManager`: paged or a contiguous baseline).
+        preemption: how to preempt under memory pressure (default: recompute).
+        lora: where LoRA adapters live (`AdapterResidency`); None when LoRA is off.
+    """
+
     def __init__(
-        self, limits: SchedulerLimits, kv_manager: KVCacheManager, preemption: PreemptionPolicy | None = None
+        self,
+        limits: SchedulerLimits,
+        kv_manager: KVManager,
+        preemption: PreemptionPolicy | None = None,
+        lora: AdapterResidency | None = None,
     ) -> None:
         self.limits = limits
         # The order of every queue; the preemption victim is the last running request.
         self._order = _priority_order if limits.policy == "priority" else _arrival_order
         self.kv = kv_manager
         self.preemption = preemption or PreemptionPolicy()
-        # Where LoRA adapters live; None when LoRA is off.
-        self.lora: LoRAManager | None = None
+        self.lora = lora
         # Requests that failed in the scheduler (e.g. their adapter did not load), for the engine to report.
         self.failed: list[Request] = []
         self.waiting: deque[Request] = deque()
@@ -204,6 +208,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def take_failed(self) -> list[Request]:
+        """Requests that failed in the scheduler since the last call (their adapter did not
+        load), already finished with FINISHED_ERROR, for the engine to report."""
+        failed, self.failed = self.failed, []
+        return failed
+
     # ---- scheduling --------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -219,6 +229,10 @@ class Scheduler:
             # reads over more rows. Stable, so arrival order holds within an adapter; the
             # batch's order has no other meaning (attention and sampling go by request).
             out.scheduled.sort(key=lambda item: item.request.lora_id)
+            # Where each scheduled adapter is, for the runner's segment tables. Every one is
+            # pinned by its running requests, so it cannot move before the step runs.
+            lora_ids = {item.request.lora_id for item in out.scheduled if item.request.lora_id}
+            out.lora_adapters = {lora_id: self.lora.resident(lora_id) for lora_id in sorted(lora_ids)}
         out.blocks_to_copy = self.kv.take_pending_copies()
         out.finished_ids, self._finished_ids = self._finished_ids, []
         return out
@@ -313,9 +327,7 @@ class Scheduler:
             if request.lora_id and not self._adapter_state(request):
                 break  # its adapter was evicted meanwhile and is not back yet
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            host_blocks = len(self.kv.swapped_tables[request.request_id])
-            total = -(-(request.num_computed_tokens + num_new) // self.kv.block_size)
-            if max(total, host_blocks) > self.kv.num_free_blocks:
+            if not self.kv.can_swap_in(request.request_id, request.num_computed_tokens + num_new):
                 break
             pairs = self.kv.swap_in(request.request_id)
             out.blocks_to_swap_in.extend(pairs)
@@ -505,14 +517,14 @@ class Scheduler:
             self._append_token(sibling, token_id, updated)
 
     def stats(self) -> SchedulerStats:
-        pool = self.kv.pool
+        kv = self.kv
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preemptions_total=self.num_preemptions_total,
-            kv_blocks_used=pool.num_used_blocks,
-            kv_blocks_total=pool.num_blocks,
-            kv_usage=pool.usage,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_total=kv.num_blocks,
+            kv_usage=kv.usage,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_swapped=len(self.swapped),

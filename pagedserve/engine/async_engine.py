@@ -2,8 +2,10 @@
 
     event loop thread                         engine thread (owns LLMEngine, torch)
     -----------------                         -------------------------------------
-    add_requests() --("add", reqs, future)-->  commands: drained between steps
-    RequestGroup.abort() --("abort", ids)-->     add_request / abort_request
+    add_requests() ----_Add(reqs, future)--->  commands: drained between steps
+    RequestGroup.abort() --_Abort(ids)----->     add_request / abort_request
+    call_in_engine_thread() --_Call(fn)---->     fn(engine), between steps
+    shutdown() --_Stop()------------------->     ends the loop
                                               step() -> [RequestOutput]
     RequestGroup queue <--call_soon_threadsafe--  one batch of (group, index, output) per step
 
@@ -101,13 +103,41 @@ class _Tracked:
     last_token_time: float | None = None
 
 
+# ---- the engine thread's commands: one small dataclass each, drained between steps ----------
+
+
 @dataclass(slots=True)
 class _Add:
+    """Queue these requests as one group, all or none; `done` reports the outcome."""
+
     requests: list[tuple[str, PromptInput, SamplingParams]]
     group: RequestGroup
     arrival_time: float
     done: concurrent.futures.Future[None]
     lora_request: Any = None
+
+
+@dataclass(slots=True)
+class _Abort:
+    """End these requests (unknown or finished ids are ignored)."""
+
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run fn(engine) between steps; its result or exception goes to `done`."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future[Any]
+
+
+@dataclass(slots=True)
+class _Stop:
+    """Leave the loop: in-flight requests are aborted and their callers told."""
+
+
+_Command = _Add | _Abort | _Call | _Stop
 
 
 class AsyncLLMEngine:
@@ -133,7 +163,7 @@ class AsyncLLMEngine:
         self.observer = observer or EngineObserver()
         self.stall_timeout_s = stall_timeout_s
         self.stats: EngineStats = engine.get_stats()
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -157,7 +187,7 @@ class AsyncLLMEngine:
             return
         if not self._stopping:
             self._stopping = True
-            self._commands.put(("stop",))
+            self._commands.put(_Stop())
         await asyncio.to_thread(self._thread.join, timeout_s)
 
     def health(self) -> str | None:
@@ -200,7 +230,7 @@ class AsyncLLMEngine:
             [(rid, prompt, params) for rid, (prompt, params) in zip(ids, requests, strict=True)],
             group, arrival_time if arrival_time is not None else time.monotonic(), done, lora_request,
         )
-        self._commands.put(("add", add))
+        self._commands.put(add)
         try:
             await self._wait_for_thread(asyncio.wrap_future(done))
         except asyncio.CancelledError:
@@ -229,13 +259,13 @@ class AsyncLLMEngine:
 
     def abort(self, request_ids: list[str]) -> None:
         """Thread-safe; the requests leave the batch before the next step."""
-        self._commands.put(("abort", list(request_ids)))
+        self._commands.put(_Abort(list(request_ids)))
 
     def call_in_engine_thread(self, fn: Callable[[LLMEngine], Any], timeout_s: float = 30.0) -> Any:
         """Runs fn(engine) between steps and returns its result (blocking; for tests and tools)."""
         self._check_alive()
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put(("call", fn, done))
+        self._commands.put(_Call(fn, done))
         return done.result(timeout_s)
 
     def _check_alive(self) -> None:
@@ -270,15 +300,15 @@ class AsyncLLMEngine:
         except queue.Empty:
             return True
         while True:
-            kind = command[0]
-            if kind == "stop":
-                return False
-            if kind == "add":
-                self._add(command[1])
-            elif kind == "abort":
-                self._abort(command[1])
-            elif kind == "call":
-                _call(command[1], self.engine, command[2])
+            match command:
+                case _Stop():
+                    return False
+                case _Add():
+                    self._add(command)
+                case _Abort(request_ids):
+                    self._abort(request_ids)
+                case _Call(fn, done):
+                    _call(fn, self.engine, done)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -360,10 +390,8 @@ class AsyncLLMEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                command[1].done.set_exception(error)
-            elif command[0] == "call":
-                command[2].set_exception(error)
+            if isinstance(command, _Add | _Call):
+                command.done.set_exception(error)
 
 
 def _put_all(batch: list[tuple[RequestGroup, Any]]) -> None:

@@ -13,7 +13,9 @@ import torch
 from pagedserve.beam_search import BeamSearchParams
 from pagedserve.config import EngineConfig
 from pagedserve.core.factory import build_kv_manager, build_scheduler
+from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import PreemptionPolicy, SchedulerStats
+from pagedserve.dtypes import lora_dtype
 from pagedserve.engine import registry
 from pagedserve.engine.beam_search import BeamSearchDriver
 from pagedserve.engine.faults import FaultInjector
@@ -85,7 +87,7 @@ class LLMEngine:
             self.source.path, model_dtype, self.device, config.cache.block_size,
             quantization=model_cfg.quant_config(),
             kv_cache_dtype=config.cache.kv_cache_dtype,
-            lora_dtype=config.lora.torch_lora_dtype(model_dtype) if config.lora else None,
+            lora_dtype=lora_dtype(config.lora, model_dtype) if config.lora else None,
             faults=faults,
         )
         hf_config = self.runner.hf_config
@@ -108,9 +110,10 @@ class LLMEngine:
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when chunked prefill is disabled"
             )
-        self.scheduler = build_scheduler(sched, self.kv_manager, self._preemption_policy())
-        self.speculator = self._start_speculator()
+        # Built before the scheduler, which gets it (as its AdapterResidency) at construction.
         self.lora_manager = self._start_lora() if config.lora is not None else None
+        self.scheduler = build_scheduler(sched, self.kv_manager, self._preemption_policy(), self.lora_manager)
+        self.speculator = self._start_speculator()
         self.output_processor = OutputProcessor(self.tokenizer)
         so_config = config.structured_outputs
         self.structured_outputs = None if self.tokenizer is None else StructuredOutputManager(
@@ -195,8 +198,11 @@ class LLMEngine:
         return num_blocks
 
     def _start_lora(self) -> LoRAManager:
+        """The adapters' manager, placing them in the KV block pool; the scheduler asks it
+        what is resident and hands placements to the runner in each `SchedulerOutput`."""
         assert self.config.lora is not None
-        manager = LoRAManager(
+        assert isinstance(self.kv_manager, KVCacheManager), "EngineConfig checks: LoRA needs the paged pool"
+        return LoRAManager(
             self.config.lora,
             self.kv_manager.pool,
             module_dims_for(self.runner.hf_config),
@@ -204,9 +210,6 @@ class LLMEngine:
             self.runner.lora_block_elems(),
             self.runner.write_adapter,
         )
-        self.runner.lora_manager = manager
-        self.scheduler.lora = manager
-        return manager
 
     def _preemption_policy(self) -> PreemptionPolicy:
         # Rough, device-independent estimates; they only need the right order of magnitude:
@@ -446,8 +449,7 @@ class LLMEngine:
             self.speculator.observe(sched_out, runner_out.extra_token_ids)
         if self.beam_search.has_work():
             self.beam_search.apply_decisions()
-        failed += self.scheduler.failed
-        self.scheduler.failed = []
+        failed += self.scheduler.take_failed()
         self._record_step(sched_out)
         logprobs_by_id = _logprobs_by_request(sched_out, runner_out)
         for item, prompt_lp in zip(sched_out.scheduled, runner_out.prompt_logprobs, strict=False):
@@ -589,7 +591,7 @@ class LLMEngine:
         """Forgets every cached prefix; refused (False) while requests run, as in vLLM."""
         if self.has_unfinished_requests():
             return False
-        self.kv_manager.pool.reset_prefix_cache()
+        self.kv_manager.reset_prefix_cache()
         return True
 
     def get_stats(self) -> EngineStats:

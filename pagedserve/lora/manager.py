@@ -22,10 +22,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagedserve.config import LoRAConfig
 from pagedserve.core.block_pool import BlockPool
+from pagedserve.core.protocols import Residency
 from pagedserve.lora.layout import AdapterLayout, plan_layout
 from pagedserve.lora.peft_loader import LoRAAdapter, LoRALoadError, load_peft_adapter
 from pagedserve.lora.request import LoRARequest
-from pagedserve.lora.residency import Residency
 from pagedserve.lora.segments import ResidentAdapter
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,8 @@ WriteAdapter = Callable[[LoRAAdapter, AdapterLayout, int], None]
 
 
 class LoRAManager:
+    """The device / host / disk tiers of LoRA adapters; the scheduler's `AdapterResidency`."""
+
     def __init__(
         self,
         config: LoRAConfig,

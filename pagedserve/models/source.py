@@ -21,6 +21,7 @@ import torch
 from transformers import PretrainedConfig
 
 from pagedserve.config import ModelConfig
+from pagedserve.dtypes import serving_dtype
 from pagedserve.models.hub import is_gguf, looks_like_hub_id, resolve_hub_id, resolve_model_path
 from pagedserve.models.loader import checkpoint_dtype, load_hf_config
 
@@ -62,7 +63,7 @@ def resolve_model_source(model_cfg: ModelConfig, device: torch.device) -> ModelS
         tokenizer = _resolve_tokenizer(model_cfg, path)
     hf_config = load_hf_config(path)
     stored = checkpoint_dtype(path, hf_config)
-    dtype = model_cfg.torch_dtype(device, stored, dequantized=is_gguf(path) and stored is None)
+    dtype = serving_dtype(model_cfg.dtype, device, stored, dequantized=is_gguf(path) and stored is None)
     generation = _generation_config(model_cfg.generation_config, path)
     eos = generation.get("eos_token_id")
     eos_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())

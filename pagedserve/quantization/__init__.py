@@ -16,8 +16,10 @@ before loading, and quantizes each layer as soon as its last shard is loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from pagedserve.quantization.base import LinearMethod, UnquantizedLinearMethod
+if TYPE_CHECKING:
+    from pagedserve.quantization.base import LinearMethod, UnquantizedLinearMethod
 
 QUANTIZATION_METHODS = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -76,3 +78,13 @@ class QuantizationConfig:
 
 
 __all__ = ["LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod", "QUANTIZATION_METHODS"]
+
+
+def __getattr__(name: str) -> Any:
+    # The methods (torch) load on first use, so that `QuantizationConfig`, which config.py
+    # and through it core/ import, does not pull torch in.
+    if name in ("LinearMethod", "UnquantizedLinearMethod"):
+        from pagedserve.quantization import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module 'pagedserve.quantization' has no attribute {name!r}")

@@ -24,7 +24,6 @@ from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.lora.kernels import block_elems
 from pagedserve.lora.layers import lora_step, wrap_model_for_lora
 from pagedserve.lora.layout import AdapterLayout, write_adapter
-from pagedserve.lora.manager import LoRAManager
 from pagedserve.lora.peft_loader import TARGETABLE, LoRAAdapter
 from pagedserve.lora.segments import LoRASegments, build_segments
 from pagedserve.models.layers.attention import Attention
@@ -127,12 +126,11 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []
         self.generators: dict[str, torch.Generator] = {}
-        # LoRA: wrappers around the projections (weights already loaded by name), and the
-        # manager that knows where each adapter lives (set by the engine).
+        # LoRA: wrappers around the projections (weights already loaded by name); where each
+        # adapter lives comes with every step's schedule (`SchedulerOutput.lora_adapters`).
         # lora_dtype None: LoRA off.
         self.lora_dtype = lora_dtype
         self.lora_layers = wrap_model_for_lora(self.model) if lora_dtype is not None else []
-        self.lora_manager: LoRAManager | None = None
 
     def kv_cache_spec(self) -> KVCacheSpec:
         first = self.attn_layers[0]
@@ -173,11 +171,10 @@ class ModelRunner:
         write_adapter(adapter, layout, self.kv_caches, first_block, self.lora_dtype)
 
     def _lora_segments(self, sched: SchedulerOutput) -> LoRASegments | None:
-        manager = self.lora_manager
-        if manager is None or not any(item.request.lora_id for item in sched.scheduled):
+        if not sched.lora_adapters:
             return None
         runs = [
-            (item.num_new_tokens, manager.resident(item.request.lora_id) if item.request.lora_id else None)
+            (item.num_new_tokens, sched.lora_adapters[item.request.lora_id] if item.request.lora_id else None)
             for item in sched.scheduled
         ]
         return build_segments(runs, len(self.attn_layers), len(TARGETABLE))

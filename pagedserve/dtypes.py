@@ -1,0 +1,75 @@
+"""The torch side of the configs' names: which device and dtype a setting means.
+
+`config.py` holds plain strings ("auto", "bfloat16", "cuda:0") so that it, and `core/`
+which reads it, import no torch; the engine turns them into torch objects here, once, at
+start-up.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import pathlib
+
+import torch
+
+from pagedserve.config import DTYPE_ALIASES, LoRAConfig
+
+logger = logging.getLogger(__name__)
+
+
+def torch_device(name: str) -> torch.device:
+    """`EngineConfig.device`: "auto" is cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def serving_dtype(name: str, device: torch.device, checkpoint: torch.dtype | None = None,
+                  dequantized: bool = False) -> torch.dtype:
+    """`ModelConfig.dtype` as a torch dtype. "auto" follows the checkpoint, as vLLM does (see `auto_dtype`)."""
+    if name == "auto":
+        dtype = auto_dtype(device, checkpoint, dequantized)
+        logger.info("dtype=auto: serving in %s (checkpoint: %s)", str(dtype).removeprefix("torch."),
+                    "quantized, dequantized at load" if dequantized else checkpoint or "unspecified")
+        return dtype
+    dtype = getattr(torch, DTYPE_ALIASES[name])
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def auto_dtype(device: torch.device, checkpoint: torch.dtype | None, dequantized: bool) -> torch.dtype:
+    """vLLM's dtype="auto": the checkpoint's dtype, but float16 -> bfloat16 on CPU (no fast
+    fp16 GEMM there); a quantized checkpoint dequantized at load -> bfloat16 where the CPU has
+    native bf16 instructions, else float32; float32 when the checkpoint says nothing."""
+    if dequantized:
+        if device.type != "cpu" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if checkpoint is None or checkpoint not in (torch.float32, torch.bfloat16, torch.float16):
+        return torch.float32
+    if checkpoint == torch.float16 and device.type == "cpu":
+        return torch.bfloat16
+    return checkpoint
+
+
+def lora_dtype(config: LoRAConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """`LoRAConfig.lora_dtype`: "auto" is the model's dtype."""
+    if config.lora_dtype == "auto":
+        return model_dtype
+    dtype = getattr(torch, config.lora_dtype)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags (False where it cannot be read)."""
+    try:
+        flags = next(
+            line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        ).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
