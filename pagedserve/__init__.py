@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM", "SamplingParams", "BeamSearchParams", "LoRARequest", "RequestOutput", "CompletionOutput",
     "EngineArgs", "AsyncEngineArgs", "LLMEngine", "AsyncLLMEngine", "TextPrompt", "TokensPrompt",
-    "RequestOutputKind", "__version__",
+    "RequestOutputKind", "PoolingParams", "EmbeddingRequestOutput", "__version__",
 ]
 
 # name -> (module, attribute): everything vLLM exports at top level that pagedserve has.
@@ -25,6 +25,8 @@ _LAZY = {
     "AsyncLLMEngine": ("pagedserve.engine.async_engine", "AsyncLLMEngine"),
     "TextPrompt": ("pagedserve.inputs", "TextPrompt"),
     "TokensPrompt": ("pagedserve.inputs", "TokensPrompt"),
+    "PoolingParams": ("pagedserve.pooling_params", "PoolingParams"),
+    "EmbeddingRequestOutput": ("pagedserve.outputs", "EmbeddingRequestOutput"),
 }
 
 

@@ -56,3 +56,24 @@ class RequestOutput:
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
     lora_request: LoRARequest | None = None
+    # A pooling request's embedding (LLM.embed, /v1/embeddings), once its prompt has run.
+    pooled: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's result of `LLM.embed`: `.outputs.embedding` is the vector."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

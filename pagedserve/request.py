@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedserve.pooling_params import PoolingParams
     from pagedserve.structured_outputs.manager import RequestGrammar
 
 
@@ -82,6 +83,9 @@ class Request:
     # Structured outputs: this sequence's grammar matcher (an opaque handle; the model
     # runner asks it for the allowed tokens), None when the output is free.
     grammar: RequestGrammar | None = None
+    # An embedding request (LLM.embed, /v1/embeddings): the runner hands back the last prompt
+    # token's hidden state; it ends after its prompt.
+    pooling: PoolingParams | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -54,6 +54,7 @@ class EngineReplica:
         return {
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.vocab_size,
+            "hidden_size": self.engine.hidden_size,
             "pid": os.getpid(),
             "replica": self.replica_index,
         }

@@ -102,6 +102,7 @@ class ReplicaSetEngine:
         info = ray.get([r.info.remote() for r in self.replicas])[0]
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
+        self.hidden_size: int = info.get("hidden_size", 0)
         self.tokenizer = self._load_tokenizer(replica_args)
         config = router_config or RouterConfig(block_size=engine_args.block_size)
         self.router = ReplicaRouter(num_replicas, config, seed=seed)

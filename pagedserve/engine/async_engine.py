@@ -158,6 +158,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        self.hidden_size = engine.hidden_size
         # Thread-safe: handlers compile grammars through it before queueing (cache shared).
         self.structured_outputs = engine.structured_outputs
         self.observer = observer or EngineObserver()

@@ -28,6 +28,7 @@ from pagedserve.lora.peft_loader import module_dims_for
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.source import eos_token_ids, resolve_model_source
 from pagedserve.outputs import RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.draft_model import DraftModelProposer
@@ -92,6 +93,8 @@ class LLMEngine:
         )
         hf_config = self.runner.hf_config
         self.vocab_size = self.runner.vocab_size
+        # Width of an embedding (LLM.embed, /v1/embeddings): the final hidden state.
+        self.hidden_size = int(getattr(hf_config, "hidden_size", 0) or getattr(hf_config, "n_embd", 0))
         # The first EOS id is the request's `eos_token_id`; any others end a sequence as
         # extra stop token ids (vLLM's treatment of generation_config's EOS list).
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, self.source.generation_eos_ids)
@@ -233,7 +236,7 @@ class LLMEngine:
         self,
         request_id: str | None,
         prompt: PromptInput,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
@@ -243,6 +246,13 @@ class LLMEngine:
         `lora_request` selects an adapter (registered here, loaded from disk on demand).
         `priority`: lower runs first under scheduling_policy="priority" (must be 0 otherwise).
         """
+        pooling = None
+        if isinstance(params, PoolingParams):
+            # An embedding: the prompt runs, one (discarded) token ends it, the runner pools.
+            pooling = params
+            pooling.validate(self.hidden_size)
+            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True,
+                                    truncate_prompt_tokens=pooling.truncate_prompt_tokens)
         params = self._with_extra_eos(params or self.default_sampling_params())
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
@@ -275,6 +285,7 @@ class LLMEngine:
                 lora_id=lora_id, bad_words_token_ids=bad_words, priority=priority,
                 # Each sample follows the grammar with its own matcher.
                 grammar=RequestGrammar(grammar, self.eos_token_id) if grammar is not None else None,
+                pooling=pooling,
             )
 
         if params.num_samples == 1:
@@ -452,6 +463,9 @@ class LLMEngine:
         failed += self.scheduler.take_failed()
         self._record_step(sched_out)
         logprobs_by_id = _logprobs_by_request(sched_out, runner_out)
+        for item, vector in zip(sched_out.scheduled, runner_out.pooled, strict=False):
+            if vector is not None:
+                self.output_processor.set_pooled(item.request, vector)
         for item, prompt_lp in zip(sched_out.scheduled, runner_out.prompt_logprobs, strict=False):
             if prompt_lp is not None:
                 self.output_processor.add_prompt_logprobs(item.request, prompt_lp)

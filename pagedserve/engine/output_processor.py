@@ -25,6 +25,7 @@ class _RequestState:
     # vLLM's shape: one entry per prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    pooled: list[float] | None = None
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
     lora_request: Any = None  # the request's LoRARequest, echoed in its outputs
@@ -52,6 +53,11 @@ class OutputProcessor:
             metrics=RequestMetrics(arrival_time=request.arrival_time),
             lora_request=lora_request,
         )
+
+    def set_pooled(self, request: Request, vector: list[float]) -> None:
+        state = self._states.get(request.request_id)
+        if state is not None:
+            state.pooled = vector
 
     def add_prompt_logprobs(self, request: Request, chunk: PromptLogprobs) -> None:
         """Records a prefill chunk's prompt logprobs. Positions already recorded (a chunk
@@ -171,6 +177,7 @@ class OutputProcessor:
             prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
             num_cached_tokens=request.num_cached_tokens,
             lora_request=state.lora_request,
+            pooled=state.pooled,
         )
 
     def finish(self, request_id: str, now: float) -> None:

@@ -13,7 +13,8 @@ from pagedserve.engine.llm_engine import LLMEngine, PromptInput
 from pagedserve.engine_args import EngineArgs
 from pagedserve.entrypoints.chat_utils import render_chat
 from pagedserve.lora.request import LoRARequest
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -99,6 +100,29 @@ class LLM:
             raise ValueError(f"priority: got {len(priorities)} for {len(prompt_list)} prompts; pass one per prompt")
         request_ids = self._add_all(prompt_list, params_list, loras, priorities)
         return self._run(request_ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt: the final hidden state at the last prompt token (vLLM's
+        LAST pooling for a decoder-only model), L2-normalized unless pooling_params says not."""
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list: list[Any] = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"pooling_params: got {len(params_list)} for {len(prompt_list)} prompts")
+        loras = self._prepare_loras(lora_request, len(prompt_list))
+        outputs = self._run(self._add_all(prompt_list, params_list, loras), use_tqdm)
+        return [
+            EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(list(o.pooled or [])))
+            for o in outputs
+        ]
 
     def _prepare_loras(
         self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLMEngine.
 
-    /v1/completions /v1/chat/completions /v1/models    (Bearer auth when an API key is set)
+    /v1/completions /v1/chat/completions /v1/embeddings /v1/models    (Bearer auth when an API key is set)
     /health /ping /load /metrics /tokenize /detokenize /version
     /  /v1/stats                                       (the playground, server/playground.py)
 
@@ -46,6 +46,8 @@ from pagedserve.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     TokenizeChatRequest,
     TokenizeRequest,
@@ -55,6 +57,7 @@ from pagedserve.server.protocol import (
 from pagedserve.server.serving_chat import create_chat_completion, render_chat
 from pagedserve.server.serving_common import ServerContext
 from pagedserve.server.serving_completion import create_completion
+from pagedserve.server.serving_embedding import create_embedding
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,11 @@ GENERATE_ERRORS = _errors(400, 401, 404, 500, 503)
 @v1.post("/completions", responses={**_streamed(CompletionResponse, CompletionResponse), **GENERATE_ERRORS})
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await create_completion(get_ctx(request), body, request)
+
+
+@v1.post("/embeddings", responses={200: {"model": EmbeddingResponse}, **GENERATE_ERRORS})
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    return await create_embedding(get_ctx(request), body, request)
 
 
 @v1.post("/chat/completions", responses={**_streamed(ChatCompletionResponse, ChatCompletionChunk), **GENERATE_ERRORS})
@@ -230,7 +238,7 @@ class ServerLoad:
     """vLLM's server load: HTTP generation requests from arrival until their response (a
     stream: its last byte) has been sent."""
 
-    PATHS = ("/v1/completions", "/v1/chat/completions")
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 
     def __init__(self) -> None:
         self.value = 0

@@ -95,6 +95,8 @@ class ModelRunnerOutput:
     # Per scheduled request: the prompt logprobs this step's chunk yields, or None (or empty
     # when no request asked for any).
     prompt_logprobs: list[PromptLogprobs | None] = field(default_factory=list)
+    # Per scheduled request: its embedding (pooling requests whose prompt ended this step).
+    pooled: list[list[float] | None] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -201,11 +203,37 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, attn_metadata)
         plan = plan_prompt_logprobs(sched, self.vocab_size)
         prompt_lp = compute_prompt_logprobs(plan, hidden, self.model.compute_logits) if plan else None
+        pooled = self._pool(sched, hidden, logits_indices)
         out = self._sample_step(sched, hidden, logits_indices, start, prepared)
+        out.pooled = pooled
         if plan is not None and prompt_lp is not None:
             lists = (prompt_lp[0].tolist(), prompt_lp[1].tolist(), prompt_lp[2].tolist())
             out.prompt_logprobs = split_prompt_logprobs(sched, plan, lists, self.vocab_size)
         return out
+
+    @staticmethod
+    def _pool(sched: SchedulerOutput, hidden: torch.Tensor, logits_indices: torch.Tensor) -> list[list[float] | None]:
+        """Embeddings of the pooling requests whose prompt ends this step: the hidden state at
+        their last prompt token (their logits row), L2-normalized if asked."""
+        wanted: list[tuple[int, int]] = []  # (scheduled index, logits row)
+        row = 0
+        for index, item in enumerate(sched.scheduled):
+            if not item.sample:
+                continue
+            if item.request.pooling is not None:
+                wanted.append((index, row))
+            row += 1 + len(item.fork_requests) + len(item.spec_token_ids)
+        if not wanted:
+            return []
+        rows = logits_indices[torch.tensor([r for _, r in wanted], device=logits_indices.device)]
+        vectors = hidden[rows].float()
+        normalize = torch.tensor([sched.scheduled[i].request.pooling.normalize for i, _ in wanted],  # type: ignore[union-attr]
+                                 device=vectors.device)
+        vectors = torch.where(normalize[:, None], torch.nn.functional.normalize(vectors, dim=-1), vectors)
+        pooled: list[list[float] | None] = [None] * len(sched.scheduled)
+        for (index, _), vector in zip(wanted, vectors.tolist(), strict=True):
+            pooled[index] = vector
+        return pooled
 
     def _sample_step(
         self, sched: SchedulerOutput, hidden: torch.Tensor, logits_indices: torch.Tensor, start: float,

@@ -1,0 +1,90 @@
+"""/v1/embeddings: one pooling request per input, in one engine group.
+
+The inputs take the completion prompt's four shapes (text, texts, token ids, lists of ids);
+text is tokenized off the event loop after the length check, as for completions. Each input
+runs as a pooling request (pagedserve/pooling_params.py): its embedding is the final hidden
+state at its last token, L2-normalized unless `normalize` is false.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedserve.engine.llm_engine import PromptInput
+from pagedserve.outputs import RequestOutput
+from pagedserve.pooling_params import PoolingParams
+from pagedserve.server.errors import APIError
+from pagedserve.server.protocol import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    random_id,
+)
+from pagedserve.server.serving_common import (
+    ServerContext,
+    check_context_length,
+    request_failed,
+    submit,
+)
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+async def create_embedding(ctx: ServerContext, body: EmbeddingRequest, raw_request: Request) -> Response:
+    arrival = time.monotonic()
+    model = ctx.resolve_model(body.model)
+    hidden_size = ctx.engine.hidden_size
+    if body.dimensions is not None and body.dimensions != hidden_size:
+        raise APIError(400, f"dimensions: this model's embeddings have {hidden_size} dimensions and cannot "
+                            "be shortened (not a Matryoshka model)", "dimensions")
+    prompts = await _inputs(ctx, body.input)
+    if len(prompts) > MAX_INPUTS:
+        raise APIError(400, f"input: at most {MAX_INPUTS} inputs per request, got {len(prompts)}", "input")
+    if body.truncate_prompt_tokens is not None:
+        prompts = [(text if len(ids) <= body.truncate_prompt_tokens else None, ids[-body.truncate_prompt_tokens:])
+                   for text, ids in prompts]
+    for _, ids in prompts:
+        check_context_length(ctx, len(ids), 1, "input")
+    params = PoolingParams(normalize=body.normalize if body.normalize is not None else True)
+    requests: list[tuple[PromptInput, PoolingParams]] = [
+        ({"prompt": text, "prompt_token_ids": ids}, params) for text, ids in prompts
+    ]
+    group = await submit(ctx, body, requests, arrival, ctx.lora_for(model))  # type: ignore[arg-type]
+    outputs: list[RequestOutput | None] = [None] * len(requests)
+    async with group:  # aborts the unfinished requests however we leave
+        async for index, output in group:
+            if output.finished:
+                outputs[index] = output
+    data = []
+    for index, finished in enumerate(outputs):
+        assert finished is not None
+        output = finished
+        completion = output.outputs[0]
+        if completion.finish_reason == "error" or output.pooled is None:
+            raise request_failed(completion.stop_reason)
+        vector = output.pooled
+        encoded = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode() \
+            if body.encoding_format == "base64" else vector
+        data.append(EmbeddingData(index=index, embedding=encoded))
+    num_tokens = sum(len(ids) for _, ids in prompts)
+    response = EmbeddingResponse(id=random_id("embd"), created=int(time.time()), model=model, data=data,
+                                 usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+    return JSONResponse(response.model_dump())
+
+
+async def _inputs(ctx: ServerContext, given: str | list[str] | list[int] | list[list[int]]) -> list[
+        tuple[str | None, list[int]]]:
+    items = [given] if isinstance(given, str) else given
+    if isinstance(items[0], int):
+        return [(None, list(items))]  # type: ignore[arg-type]
+    texts = [item for item in items if isinstance(item, str)]
+    for text in texts:
+        ctx.check_prompt_chars(len(text), "input")
+    encoded = iter(await ctx.off_loop(lambda: [ctx.tokenizer.encode(t) for t in texts]) if texts else [])
+    return [(item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in items]
