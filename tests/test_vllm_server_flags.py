@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import httpx
 import openai
@@ -76,3 +77,44 @@ def test_api_key_from_vllm_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert api_keys(None) == ["from-env"] and api_keys(["a", "b"]) == ["a", "b"]
     monkeypatch.delenv("VLLM_API_KEY")
     assert api_keys(None) is None
+
+
+def test_priority_field_needs_the_priority_policy(server) -> None:
+    body = {"model": TEST_MODEL, "prompt": "hi", "max_tokens": 2, "priority": 3}
+    resp = httpx.post(server.v1 + "/completions", json=body, headers={"Authorization": "Bearer k1"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "priority"
+    body["priority"] = 0
+    assert httpx.post(server.v1 + "/completions", json=body, headers={"Authorization": "Bearer k1"}).status_code == 200
+
+
+def test_priority_orders_waiting_requests() -> None:
+    """--scheduling-policy priority, one sequence at a time: of two requests waiting behind a
+    running one, the lower priority value runs first, whatever their arrival order."""
+    argv = ["--model", TEST_MODEL, "--kv-cache-memory-bytes", "16MiB", "--scheduling-policy", "priority",
+            "--max-num-seqs", "1"]
+    with running_server(argv) as live:
+        client = openai.OpenAI(base_url=live.v1, api_key="x", max_retries=0)
+
+        def complete(priority: int, max_tokens: int) -> float:
+            client.completions.create(model=TEST_MODEL, prompt="hi", max_tokens=max_tokens,
+                                      extra_body={"priority": priority, "ignore_eos": True})
+            return time.monotonic()
+
+        def waiting() -> int:
+            return live.ctx.engine.call_in_engine_thread(lambda e: e.get_stats().scheduler.num_waiting)
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            first = pool.submit(complete, 0, 400)
+            while httpx.get(live.base_url + "/load").json()["server_load"] < 1:
+                time.sleep(0.005)
+            late_low = pool.submit(complete, 5, 4)
+            while waiting() < 1:
+                time.sleep(0.005)
+            late_high = pool.submit(complete, -1, 4)
+            while waiting() < 2 and not first.done():
+                time.sleep(0.005)
+            assert not first.done(), "the running request finished before both others queued"
+            assert late_high.result() < late_low.result()
+            first.result()
+        live.wait_idle()
+        live.ctx.engine.call_in_engine_thread(lambda e: e.assert_no_leaks())

@@ -69,11 +69,13 @@ class EngineReplica:
         group_id: str,
         requests: list[tuple[PromptInput, SamplingParams]],
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[tuple[str, Any]]:
         """Streams the group: an acknowledgement (or the validation error), then one batch per step."""
         self._ensure_started()
         try:
-            group = await self.engine.add_requests(requests, group_id=group_id, lora_request=lora_request)
+            group = await self.engine.add_requests(requests, group_id=group_id, lora_request=lora_request,
+                                                  priority=priority)
         except ValueError as exc:
             yield "invalid", str(exc)
             return

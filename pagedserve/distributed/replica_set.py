@@ -53,6 +53,7 @@ class _Flight:
     lora_request: LoRARequest | None
     prompt_token_ids: list[int] | None
     arrival_time: float
+    priority: int = 0
     replica: int = -1
     streamed: bool = False
     last_token_time: dict[int, float] = field(default_factory=dict)
@@ -165,6 +166,7 @@ class ReplicaSetEngine:
         arrival_time: float | None = None,
         group_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> RequestGroup:
         """Routes the group to one replica (its samples then share a prefix there).
 
@@ -178,7 +180,7 @@ class ReplicaSetEngine:
         ids = [f"{group_id}-{i}" for i in range(len(requests))]
         flight = _Flight(
             RequestGroup(self, ids), requests, lora_request, self._prompt_token_ids(requests[0][0]),
-            arrival_time if arrival_time is not None else time.monotonic(),
+            arrival_time if arrival_time is not None else time.monotonic(), priority,
         )
         stream = await self._submit(group_id, flight, frozenset())
         self._flights[group_id] = flight
@@ -208,7 +210,7 @@ class ReplicaSetEngine:
                 raise EngineDeadError(str(exc)) from None
             replica = route.replica
             stream = self.replicas[replica].generate.options(num_returns="streaming").remote(
-                group_id, flight.requests, flight.lora_request)
+                group_id, flight.requests, flight.lora_request, flight.priority)
             self.router.started(replica, len(flight.requests))
             try:
                 kind, payload = await (await stream.__anext__())

@@ -115,6 +115,7 @@ class _Add:
     arrival_time: float
     done: concurrent.futures.Future[None]
     lora_request: Any = None
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -215,6 +216,7 @@ class AsyncLLMEngine:
         arrival_time: float | None = None,
         group_id: str | None = None,
         lora_request: Any = None,
+        priority: int = 0,
     ) -> RequestGroup:
         """Queues the requests as one group, all or none.
 
@@ -229,7 +231,7 @@ class AsyncLLMEngine:
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         add = _Add(
             [(rid, prompt, params) for rid, (prompt, params) in zip(ids, requests, strict=True)],
-            group, arrival_time if arrival_time is not None else time.monotonic(), done, lora_request,
+            group, arrival_time if arrival_time is not None else time.monotonic(), done, lora_request, priority,
         )
         self._commands.put(add)
         try:
@@ -320,7 +322,8 @@ class AsyncLLMEngine:
         try:
             for request_id, prompt, params in add.requests:
                 self.engine.add_request(
-                    request_id, prompt, params, arrival_time=add.arrival_time, lora_request=add.lora_request
+                    request_id, prompt, params, arrival_time=add.arrival_time, lora_request=add.lora_request,
+                    priority=add.priority,
                 )
                 added.append(request_id)
         except Exception as exc:  # noqa: BLE001 - a validation error goes back to its caller only

@@ -122,6 +122,8 @@ class SamplingRequest(StrictRequest):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
+    # vLLM's: lower runs first under --scheduling-policy priority (must be 0 otherwise).
+    priority: int = 0
     n: int = Field(1, ge=1, le=MAX_SAMPLES)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

@@ -192,7 +192,8 @@ async def submit(
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
     try:
-        return await engine.add_requests(requests, arrival_time=arrival, lora_request=lora_request)
+        return await engine.add_requests(requests, arrival_time=arrival, lora_request=lora_request,
+                                         priority=getattr(body, "priority", 0))
     except ValueError as exc:
         raise bad_request(exc, set(type(body).model_fields)) from None
     except EngineDeadError as exc:
