@@ -57,6 +57,7 @@ from pagedserve.attention.torch_paged import (
     _build_chunk,
     _kv_slots,
 )
+from pagedserve.cpp_build import KernelUnavailable
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 4, 64, 16
 
@@ -149,7 +150,7 @@ def prefill_masked(backend, common):
 def cpp_options() -> dict[str, tuple[AttentionBackend, Callable | None]]:
     try:
         cpp_paged.load_extension()
-    except cpp_paged.CppExtensionError as exc:
+    except KernelUnavailable as exc:
         print(f"cpp options skipped: {exc}")
         return {}
     make = cpp_paged.CppPagedAttentionBackend

@@ -1,16 +1,37 @@
-"""Building the package's C++ kernels (csrc/*.cpp) as torch op libraries, once per machine.
+"""The one loader of the package's C++ kernels (`pagedserve/csrc/*.cpp`) as torch op libraries.
 
-The sources compile with -march=native, so a build is keyed by the CPU's flags, the torch
-version and the compile flags, and cached under `envs.torch_extensions_dir()`.
+    kernel = cpp_build.FUSED_OPS                   # a `Kernel`: source file, op namespace
+    loaded = cpp_build.load(kernel)                # built once per machine, loaded once per process
+    loaded.ops                                     # torch.ops.<namespace>, or None ...
+    loaded.reason                                  # ... and why (no compiler, build error, CPU lacks X)
+    loaded.require()                               # the ops, or KernelUnavailable(reason)
+
+Build cache. The sources compile with -march=native, so a build is keyed by the CPU's flags,
+the torch version, the compile flags and the sources' bytes (the kernel's .cpp and the shared
+`pagedserve_common.h`), and lives under `envs.torch_extensions_dir()`. The sources are copied
+into that build directory and compiled from there: an editable checkout and an installed wheel
+with the same sources share one build, and an edited source gets a new directory instead of
+recompiling over another process's library.
+
+`load` never raises: a kernel that cannot be built or cannot run on this CPU gives its reason,
+which the callers turn into their fallback (a logged warning) or, when a `PAGEDSERVE_*`
+variable forces the kernel, an error at model construction. The result is cached per process
+(a failed build is not retried on every call).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+import os
 import pathlib
 import platform
+import shutil
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,7 +39,69 @@ from pagedserve import envs
 
 logger = logging.getLogger(__name__)
 
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
+COMMON_HEADER = "pagedserve_common.h"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+
+
+class KernelUnavailable(RuntimeError):
+    """A C++ kernel could not be built or loaded here, or is forced but cannot run."""
+
+
+@dataclass(frozen=True, eq=False)  # identity: a cheap key of `load`'s cache
+class Kernel:
+    """One C++ source and the op library it registers.
+
+    Attributes:
+        name: short name, for messages and the build directory.
+        source: file name under `pagedserve/csrc/`.
+        namespace: the `torch.ops` namespace of the default build (the source registers
+            `TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m)`, which the loader defines).
+        what: what it is, for log lines and errors.
+        cflags: flags beyond `CFLAGS`.
+        runs_here: name of a `() -> bool` op saying whether this CPU has the kernel's ISA
+            (the build compiles everywhere; a False answer makes the kernel unavailable).
+    """
+
+    name: str
+    source: str
+    namespace: str
+    what: str
+    cflags: tuple[str, ...] = ()
+    runs_here: str | None = None
+
+
+PAGED_ATTENTION = Kernel("paged_attention", "paged_attention_cpu.cpp", "pagedserve_cpu",
+                         "paged-attention kernel")
+FUSED_OPS = Kernel("fused", "fused_ops_cpu.cpp", "pagedserve_fused", "fused elementwise ops")
+# The int8 epilogue multiplies and adds in separate roundings, as torch does.
+GEMV = Kernel("gemv", "gemv_cpu.cpp", "pagedserve_gemv", "decode GEMV kernel",
+              cflags=("-ffp-contract=off",), runs_here="available")
+INT8 = Kernel("int8", "int8_linear_cpu.cpp", "pagedserve_int8", "int8 linear kernel",
+              runs_here="available")
+LORA = Kernel("lora_sgmv", "lora_sgmv_cpu.cpp", "pagedserve_lora", "LoRA kernel")
+KERNELS = (PAGED_ATTENTION, FUSED_OPS, GEMV, INT8, LORA)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The outcome of `load`: the op namespace, or None and the reason.
+
+    `built` is False when the build failed, True when it succeeded (even if this CPU then
+    lacks the kernel's instructions); `seconds` is what building / loading took.
+    """
+
+    kernel: Kernel
+    ops: Any | None
+    reason: str | None
+    seconds: float
+    built: bool
+
+    def require(self) -> Any:
+        """The ops; raises KernelUnavailable with the reason when there are none."""
+        if self.ops is None:
+            raise KernelUnavailable(f"the C++ {self.kernel.what} is unavailable: {self.reason}")
+        return self.ops
 
 
 def machine_signature() -> str:
@@ -31,40 +114,91 @@ def machine_signature() -> str:
     return f"{flags}|torch {torch.__version__}"
 
 
-def load_cpp_ops(
-    prefix: str, source: pathlib.Path, cflags: list[str], what: str, error: type[Exception]
-) -> float:
-    """Compile (first use on this machine) or load `source`; returns the seconds it took.
+@functools.cache
+def load(kernel: Kernel, extra_cflags: tuple[str, ...] = (), namespace: str | None = None) -> Loaded:
+    """Build (first use on this machine, 10-30 s) or load `kernel`; never raises.
 
-    Its ops then live under the `torch.ops` namespace the source registers.
-
-    Raises:
-        error: no source file, no compiler / ninja, or the build failed (message says which).
+    Args:
+        extra_cflags: a variant build (e.g. `-mno-avx512f` for the AVX2 path of a kernel);
+            it must come with its own `namespace` so several builds load into one process
+            (tests and A/B benchmarks).
+        namespace: the op namespace; default `kernel.namespace`.
     """
+    namespace = namespace or kernel.namespace
+    start = time.perf_counter()
+    try:
+        _build(kernel, (*CFLAGS, *kernel.cflags, *extra_cflags,
+                        f"-DPAGEDSERVE_OPS_NAMESPACE={namespace}"))
+    except KernelUnavailable as exc:
+        logger.warning("%s", exc)
+        return Loaded(kernel, None, str(exc), time.perf_counter() - start, built=False)
+    seconds = time.perf_counter() - start
+    ops = getattr(torch.ops, namespace)
+    if kernel.runs_here is not None and not getattr(ops, kernel.runs_here)():
+        reason = f"this CPU lacks the instructions the {kernel.what} needs"
+        logger.info("%s; using the torch path", reason)
+        return Loaded(kernel, None, reason, seconds, built=True)
+    isa = f"{ops.isa()}, " if hasattr(ops, "isa") else ""
+    logger.info("C++ %s ready (%s%.1f s)", kernel.what, isa, seconds)
+    return Loaded(kernel, ops, None, seconds, built=True)
+
+
+def load_all(kernels: Iterable[Kernel] = KERNELS) -> dict[str, Loaded]:
+    """Builds / loads every kernel (`python -m pagedserve.cpp_build`)."""
+    return {kernel.name: load(kernel) for kernel in kernels}
+
+
+def _sources(kernel: Kernel) -> list[pathlib.Path]:
+    paths = [CSRC / kernel.source, CSRC / COMMON_HEADER]
+    for path in paths:
+        if not path.is_file():
+            raise KernelUnavailable(f"C++ source not found at {path} (an install without "
+                                    f"pagedserve/csrc?)")
+    return paths
+
+
+def _build(kernel: Kernel, cflags: tuple[str, ...]) -> None:
     from torch.utils import cpp_extension
 
-    if not source.is_file():
-        raise error(f"C++ source not found at {source} (not a source checkout?)")
-    tag = hashlib.sha1(f"{machine_signature()}|{' '.join(cflags)}".encode()).hexdigest()[:10]
-    name = f"{prefix}_{tag}"
+    sources = _sources(kernel)
+    digest = hashlib.sha1(f"{machine_signature()}|{' '.join(cflags)}".encode())
+    for path in sources:
+        digest.update(path.read_bytes())
+    name = f"pagedserve_{kernel.name}_{digest.hexdigest()[:10]}"
     build_dir = envs.torch_extensions_dir() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
+    src_dir = build_dir / "src"
+    src_dir.mkdir(parents=True, exist_ok=True)
+    for path in sources:  # the digest names these bytes: a racing process copies the same
+        target = src_dir / path.name
+        if not target.exists():
+            partial = target.with_suffix(f".{os.getpid()}.tmp")
+            shutil.copyfile(path, partial)
+            os.replace(partial, target)
     if not (build_dir / f"{name}.so").exists():
-        logger.info("compiling the C++ %s (first use here, 10-30 s)", what)
-    start = time.perf_counter()
+        logger.info("compiling the C++ %s (first use here, 10-30 s)", kernel.what)
     try:
         cpp_extension.load(
             name=name,
-            sources=[str(source)],
-            extra_cflags=cflags,
+            sources=[str(src_dir / kernel.source)],
+            extra_cflags=list(cflags),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
         )
     except (RuntimeError, OSError, ImportError) as exc:  # no compiler / ninja, compile error
-        raise error(
-            f"building the C++ {what} failed ({type(exc).__name__}: {exc}). It needs a C++17 "
-            f"compiler with OpenMP and ninja (pip install ninja); build dir {build_dir}"
+        raise KernelUnavailable(
+            f"building the C++ {kernel.what} failed ({type(exc).__name__}: {exc}). It needs a "
+            f"C++17 compiler with OpenMP and ninja (pip install ninja); build dir {build_dir}"
         ) from exc
-    return time.perf_counter() - start
+
+
+def main() -> None:
+    """`python -m pagedserve.cpp_build`: build every kernel now (an image's build step)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    failed = [name for name, loaded in load_all().items() if not loaded.built]
+    raise SystemExit(f"failed: {', '.join(failed)}" if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -18,6 +18,7 @@ from pagedserve.attention import cpp_paged
 from pagedserve.attention.backend import AttentionBackend, get_attention_backend
 from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
+from pagedserve.cpp_build import PAGED_ATTENTION, KernelUnavailable, load
 
 from hf_reference import hf_greedy, make_prompts
 
@@ -26,7 +27,7 @@ from hf_reference import hf_greedy, make_prompts
 def extension() -> None:
     try:
         cpp_paged.load_extension()
-    except cpp_paged.CppExtensionError as exc:
+    except KernelUnavailable as exc:
         pytest.skip(f"C++ paged attention cannot be built here: {exc}")
 
 
@@ -218,7 +219,7 @@ def test_avx2_build_matches_reference() -> None:
     """The AVX2 path (machines without AVX-512), built as a variant of the same source."""
     if cpp_paged.load_extension().isa() != "avx512":
         pytest.skip("the native build already is the AVX2 / scalar path")
-    ops = cpp_paged.build_extension(("-mno-avx512f",), namespace="pagedserve_cpu_avx2")
+    ops = load(PAGED_ATTENTION, ("-mno-avx512f",), namespace="pagedserve_cpu_avx2").require()
     assert ops.isa() == "avx2"
     rng = random.Random(5)
     for shape in (Shape(6, 2, 64), Shape(8, 2, 128)):
@@ -283,14 +284,18 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
         get_attention_backend(torch.device("cpu"))
 
     def broken() -> None:
-        raise cpp_paged.CppExtensionError("no compiler")
+        raise KernelUnavailable("no compiler")
 
-    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "cpp")
+    monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND")
     monkeypatch.setattr(cpp_paged, "load_extension", broken)
     with caplog.at_level(logging.WARNING):
         backend = get_attention_backend(torch.device("cpu"))
     assert isinstance(backend, TorchPagedAttentionBackend)
     assert "no compiler" in caplog.text
+    # Forced, a kernel that cannot be built is an error, not a silent fallback.
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "cpp")
+    with pytest.raises(KernelUnavailable, match="no compiler"):
+        get_attention_backend(torch.device("cpu"))
 
 
 def test_engine_matches_transformers_greedy(model_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,6 +21,7 @@ TOL = {torch.float32: dict(rtol=2e-6, atol=2e-6), torch.bfloat16: dict(rtol=2**-
 
 
 def _with_torch(monkeypatch, fn):
+    """fn() run with PAGEDSERVE_FUSED_OPS=torch: layers it builds keep the torch code."""
     monkeypatch.setenv("PAGEDSERVE_FUSED_OPS", "torch")
     try:
         return fn()
@@ -33,15 +34,16 @@ def _with_torch(monkeypatch, fn):
 def test_rms_norm_and_residual_add(monkeypatch, dtype, rows) -> None:
     g = torch.Generator().manual_seed(rows)
     norm = RMSNorm(200, eps=1e-5).to(dtype)
-    norm.weight.data = torch.randn(200, generator=g).to(dtype)
+    reference = _with_torch(monkeypatch, lambda: RMSNorm(200, eps=1e-5).to(dtype))
+    norm.weight.data = reference.weight.data = torch.randn(200, generator=g).to(dtype)
     x = (torch.randn(rows, 200, generator=g) * 3).to(dtype)
     residual = torch.randn(rows, 200, generator=g).to(dtype)
-    assert fused_ops.cpu_ops(x) is not None
+    assert fused_ops.for_tensor(norm.fused, x) is not None and reference.fused is None
     got, got_sum = norm(x, residual)
-    want, want_sum = _with_torch(monkeypatch, lambda: norm(x, residual))
+    want, want_sum = reference(x, residual)
     assert torch.equal(got_sum, want_sum)  # one rounded add either way
     torch.testing.assert_close(got, want, **TOL[dtype])
-    torch.testing.assert_close(norm(x), _with_torch(monkeypatch, lambda: norm(x)), **TOL[dtype])
+    torch.testing.assert_close(norm(x), reference(x), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -49,7 +51,7 @@ def test_silu_and_mul(monkeypatch, dtype) -> None:
     x = (torch.randn(33, 2 * 96, generator=torch.Generator().manual_seed(0)) * 6).to(dtype)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # clamped exp range, zero
     got = SiluAndMul()(x)
-    want = _with_torch(monkeypatch, lambda: SiluAndMul()(x))
+    want = _with_torch(monkeypatch, SiluAndMul)(x)
     torch.testing.assert_close(got, want, **TOL[dtype])
     torch.testing.assert_close(got.float(), (F.silu(x[:, :96].double()) * x[:, 96:].double()).float(),
                                rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
@@ -62,8 +64,8 @@ def test_rotary_on_a_strided_view(monkeypatch, dtype) -> None:
     qk = qkv[:, : 4 * 64].view(9, 4, 64)  # q and k heads of a fused qkv row: row-strided
     angles = torch.randn(9, 32, generator=g)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    got = apply_rotary(qk, cos, sin)
-    want = _with_torch(monkeypatch, lambda: apply_rotary(qk, cos, sin))
+    got = apply_rotary(qk, cos, sin, fused_ops.resolve())
+    want = apply_rotary(qk, cos, sin, None)
     assert got.is_contiguous() and got.shape == (9, 4, 64)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
@@ -71,9 +73,21 @@ def test_rotary_on_a_strided_view(monkeypatch, dtype) -> None:
 def test_env_forces_torch_and_rejects_bad_values(monkeypatch) -> None:
     x = torch.randn(2, 8)
     monkeypatch.setenv("PAGEDSERVE_FUSED_OPS", "torch")
-    assert fused_ops.cpu_ops(x) is None
+    assert fused_ops.resolve() is None and RMSNorm(8).fused is None and SiluAndMul().fused is None
     monkeypatch.setenv("PAGEDSERVE_FUSED_OPS", "fast")
     with pytest.raises(ValueError, match="PAGEDSERVE_FUSED_OPS"):
-        fused_ops.cpu_ops(x)
+        RMSNorm(8)
     monkeypatch.delenv("PAGEDSERVE_FUSED_OPS")
-    assert fused_ops.cpu_ops(x.double()) is None  # float32 / bfloat16 only
+    ops = fused_ops.resolve()
+    assert fused_ops.for_tensor(ops, x) is ops
+    assert fused_ops.for_tensor(ops, x.double()) is None  # float32 / bfloat16 only
+    with torch.device("meta"):  # a layer built for another device never takes the CPU ops
+        assert RMSNorm(8).fused is None
+
+
+def test_choice_is_made_when_the_layer_is_built(monkeypatch) -> None:
+    """The environment is read when the model is built, not on every call."""
+    x = torch.randn(3, 8)
+    norm = RMSNorm(8)
+    monkeypatch.setenv("PAGEDSERVE_FUSED_OPS", "fast")  # a bad value, read by nothing now
+    assert torch.equal(norm(x), norm(x)) and norm.fused is not None

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pagedserve.cpp_build import KernelUnavailable
 from pagedserve.lora import kernels
 from pagedserve.lora.layout import plan_layout, write_adapter
 from pagedserve.lora.peft_loader import (
@@ -218,7 +219,7 @@ def test_file_refusals(model_path, tmp_path, damage, words: str) -> None:
 def ops():
     try:
         return kernels.load_extension()
-    except kernels.LoRAExtensionError as exc:
+    except KernelUnavailable as exc:
         pytest.skip(f"C++ LoRA kernel cannot be built here: {exc}")
 
 
@@ -380,7 +381,7 @@ def test_fallback_without_extension(monkeypatch, caplog) -> None:
 
 
 def _raise_build_error():
-    raise kernels.LoRAExtensionError("no compiler (test)")
+    raise KernelUnavailable("no compiler (test)")
 
 
 # ---- layout in the KV cache ----------------------------------------------------------------

@@ -76,8 +76,9 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
     `PAGEDSERVE_ATTENTION_BACKEND` (read in `pagedserve.envs`) forces `torch` or `cpp`;
     unset, CPU gets the fused C++ kernel and everything else the pure-torch backend. On CPU
     the kernel measured 3.3-3.8x faster than gather + SDPA on decode and 1.1-1.5x on prefill
-    chunks (benchmarks/attention_micro.py, fp32, 1 and 2 threads). When the C++ extension
-    cannot be built (no compiler, no ninja), the torch backend is used and a warning logged.
+    chunks (benchmarks/attention_micro.py, fp32, 1 and 2 threads). When the C++ kernel
+    cannot be built (no compiler, no ninja), the torch backend is used and a warning logged;
+    a forced `cpp` then fails (KernelUnavailable), as every forced kernel does.
     """
     from pagedserve import envs
     from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
@@ -85,10 +86,13 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
     device = torch.device(device)
     choice = envs.attention_backend()
     if choice == "cpp" or (choice is None and device.type == "cpu"):
-        from pagedserve.attention.cpp_paged import CppExtensionError, CppPagedAttentionBackend
+        from pagedserve.attention.cpp_paged import CppPagedAttentionBackend
+        from pagedserve.cpp_build import KernelUnavailable
 
         try:
             return CppPagedAttentionBackend(device=device)
-        except CppExtensionError as exc:
+        except KernelUnavailable as exc:
+            if choice == "cpp":
+                raise
             logger.warning("C++ paged attention unavailable, using the torch backend: %s", exc)
     return TorchPagedAttentionBackend(device=device)

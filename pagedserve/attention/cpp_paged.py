@@ -1,4 +1,5 @@
-"""Fused C++ paged attention for CPU (csrc/paged_attention_cpu.cpp), built lazily.
+"""Fused C++ paged attention for CPU (pagedserve/csrc/paged_attention_cpu.cpp), loaded by
+`cpp_build` when the backend is constructed.
 
 The kernel reads K/V blocks in place through the block table: no gather, no padding, one
 pass over each request's K/V with an online softmax. Work is cut into *items* once per
@@ -13,31 +14,24 @@ dynamically in item order, so items are sorted by estimated cost (longest first)
                            merged afterwards by log-sum-exp (one `merges` row per request)
     prefill chunk:         one item per tile of `q_tile` query tokens, keys [0, ctx + q_end)
                            (causal within the chunk, full over the cached context)
-
-The extension is compiled with -march=native, so its name carries a hash of the CPU's
-flags and the torch version: a build cache shared between machines never loads a binary
-built for another CPU.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
-import pathlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pagedserve import cpp_build
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
 from pagedserve.attention.metadata import CommonAttentionMetadata
-from pagedserve.cpp_build import CFLAGS, load_cpp_ops
+from pagedserve.cpp_build import KernelUnavailable
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "paged_attention_cpu.cpp"
-# torch adds its own -std (C++20 for torch 2.13); the source itself is plain C++17.
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 _TILE_KEYS = 32  # keys per kernel tile (KT in the C++): decode parts are multiples of it
 
@@ -48,44 +42,13 @@ def _cost(query_tokens: int, keys: int) -> int:
     return keys * (4 + query_tokens)
 
 
-class CppExtensionError(RuntimeError):
-    """The C++ paged-attention extension could not be built or loaded."""
-
-
 def load_extension() -> Any:
-    """Build (first call: 10-30 s) or load the cached extension; its op namespace.
+    """The kernel's op namespace (built on first use on this machine, 10-30 s).
 
     Raises:
-        CppExtensionError: no source, no compiler/ninja, or the build failed (remembered:
-            later calls in the process fail at once instead of recompiling).
+        KernelUnavailable: no source, no compiler / ninja, or the build failed.
     """
-    ops, error = _load_once()
-    if error is not None:
-        raise error
-    return ops
-
-
-@functools.lru_cache(maxsize=1)
-def _load_once() -> tuple[Any, CppExtensionError | None]:
-    try:
-        return build_extension(), None
-    except CppExtensionError as exc:
-        return None, exc
-
-
-def build_extension(extra_cflags: tuple[str, ...] = (), namespace: str = "pagedserve_cpu") -> Any:
-    """Build / load the extension; `torch.ops.<namespace>`.
-
-    Variants (other `extra_cflags`, e.g. `-mno-avx512f` for the AVX2 path) must use their own
-    `namespace`, which the source takes as the macro PAGED_OPS_NAMESPACE: tests and A/B
-    benchmarks then load several builds into one process.
-    """
-    flags = [*CFLAGS, *extra_cflags, f"-DPAGED_OPS_NAMESPACE={namespace}"]
-    seconds = load_cpp_ops("pagedserve_paged_attention", _SOURCE, flags, "paged-attention kernel",
-                           CppExtensionError)
-    ops = getattr(torch.ops, namespace)
-    logger.info("C++ paged attention ready (%s, %.1f s)", ops.isa(), seconds)
-    return ops
+    return cpp_build.load(cpp_build.PAGED_ATTENTION).require()
 
 
 @dataclass(slots=True)
@@ -119,10 +82,11 @@ class CppPagedAttentionBackend(AttentionBackend):
         min_part_tokens: a decode is split into parts no shorter than this.
         parts_per_thread: split decodes until there are about this many items per thread.
         fused_cache_write: write new K/V with the C++ op instead of two `index_copy_`.
-        ops: the op namespace of a variant build (`build_extension`); default the native one.
+        ops: the op namespace of a variant build (`cpp_build.load(..., namespace=...)`);
+            default the native one.
 
     Raises:
-        CppExtensionError: the extension cannot be built here.
+        KernelUnavailable: the kernel cannot be built here.
     """
 
     name = "cpp_paged"
@@ -139,7 +103,7 @@ class CppPagedAttentionBackend(AttentionBackend):
     ) -> None:
         self.device = torch.device("cpu") if device is None else torch.device(device)
         if self.device.type != "cpu":
-            raise CppExtensionError(f"the C++ paged-attention kernel is CPU-only, not {device}")
+            raise KernelUnavailable(f"the C++ paged-attention kernel is CPU-only, not {device}")
         self.q_tile = q_tile
         self.heads_per_task = heads_per_task
         self.min_part_tokens = min_part_tokens

@@ -5,7 +5,7 @@
                     LoRALoadError
     layout.py       an adapter's packing inside a run of KV blocks; write_adapter
     segments.py     per-step segment tables (one adapter per run of tokens)
-    kernels.py      lora_apply (C++ SGMV, csrc/lora_sgmv_cpu.cpp) and its torch reference
+    kernels.py      lora_apply (C++ SGMV, pagedserve/csrc/lora_sgmv_cpu.cpp) and its torch reference
 
 Use, per step and per LoRA-wrapped projection (layer l, module m = TARGETABLE.index(name)):
 

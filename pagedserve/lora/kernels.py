@@ -25,8 +25,8 @@ t[i, k] and FMAs contiguous 16-wide panel rows, with no horizontal sums and one 
 stream per panel; row-major B needs a length-r dot and a horizontal sum per output, which
 measured ~2.5x slower on multi-token segments (csrc/lora_sgmv_cpu.cpp, header).
 
-`lora_apply` runs the C++ op (csrc/lora_sgmv_cpu.cpp, built lazily like the paged-attention
-kernel); if it cannot be built, or for dtypes it lacks (float16), it logs a warning once and
+`lora_apply` runs the C++ op (pagedserve/csrc/lora_sgmv_cpu.cpp, through `cpp_build`; the
+engine loads it at start-up when LoRA is enabled, `LoRALinear.bind`); if it cannot be built, or for dtypes it lacks (float16), it logs a warning once and
 uses `lora_apply_reference`. Results do not depend on the thread count.
 """
 
@@ -34,16 +34,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import pathlib
 from typing import Any
 
 import torch
 
-from pagedserve.cpp_build import CFLAGS, load_cpp_ops
+from pagedserve import cpp_build
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "lora_sgmv_cpu.cpp"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # Output columns per panel of a packed B (PANEL in csrc/lora_sgmv_cpu.cpp).
 PANEL = 16
@@ -57,28 +55,20 @@ MM_MIN_ROWS = 64
 MM_MIN_RANK = 32
 
 
-class LoRAExtensionError(RuntimeError):
-    """The C++ LoRA extension could not be built or loaded."""
-
-
-@functools.lru_cache(maxsize=1)
 def load_extension() -> Any:
-    """Build (first call: ~20 s) or load the cached extension; returns its op namespace.
+    """The kernel's op namespace (built on first use on this machine, ~20 s).
 
     Raises:
-        LoRAExtensionError: no source, no compiler / ninja, or the build failed.
+        KernelUnavailable: no source, no compiler / ninja, or the build failed.
     """
-    seconds = load_cpp_ops("pagedserve_lora_sgmv", _SOURCE, CFLAGS, "LoRA kernel", LoRAExtensionError)
-    ops = torch.ops.pagedserve_lora
-    logger.info("C++ LoRA SGMV ready (%s, %.1f s)", ops.isa(), seconds)
-    return ops
+    return cpp_build.load(cpp_build.LORA).require()
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)  # a no-argument cache: the per-call check stays ~50 ns
 def _ops_or_none() -> Any:
     try:
         return load_extension()
-    except LoRAExtensionError as exc:
+    except cpp_build.KernelUnavailable as exc:
         logger.warning("LoRA: using the slow torch reference kernel: %s", exc)
         return None
 

@@ -21,7 +21,7 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
-from pagedserve.lora.kernels import flat_storage, kernel_handles
+from pagedserve.lora.kernels import flat_storage, kernel_available, kernel_handles
 from pagedserve.lora.peft_loader import TARGETABLE
 from pagedserve.lora.segments import LoRASegments, table_slices
 from pagedserve.quantization.packed import PackedLinearMethod
@@ -59,6 +59,8 @@ class LoRALinear(nn.Module):
         GEMM costs 20-35 us on this host before it does any work.
         """
         self.storage_a, self.storage_b = flat_storage(kv_cache, dtype)
+        if kv_cache.device.type == "cpu":
+            kernel_available()  # built now, at engine start-up, never on the first LoRA request
         self.one_op = (
             isinstance(getattr(self.base, "quant_method", None), PackedLinearMethod)
             and hasattr(self.base, "packed_weight")  # bf16 that oneDNN cannot pack keeps F.linear

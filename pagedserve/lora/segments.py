@@ -83,7 +83,7 @@ class LoRASegments:
         """oneDNN's projection of x by a prepacked weight (`quantization/packed.py`) plus
         `apply`'s deltas, in one op call (csrc: lora_linear), bit for bit the two run apart.
         Only where `kernels.kernel_handles` holds."""
-        return kernels.load_extension().lora_linear(
+        return kernels._ops_or_none().lora_linear(
             x, packed_weight, bias, storage_a, storage_b, self.seg_starts, self.a_offsets, self.b_offsets,
             self.ranks, self.scales, slices, kernels.MM_MIN_ROWS, kernels.MM_MIN_RANK)
 

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.models.layers import fused_ops
 from pagedserve.models.layers.activation import SiluAndMul
 from pagedserve.models.layers.attention import Attention
 from pagedserve.models.layers.embedding import LMHead, VocabEmbedding
@@ -51,6 +52,7 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx
         )
+        self.fused = fused_ops.resolve()  # rotary's C++ op or None, chosen once
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
@@ -60,7 +62,7 @@ class LlamaAttention(nn.Module):
         num_tokens = qkv.shape[0]
         qk, v = qkv.split([(h + kvh) * d, kvh * d], dim=-1)
         # q and k rotated in one pass over their (T, H + KVH, D) view.
-        qk = apply_rotary(qk.view(num_tokens, h + kvh, d), cos, sin)
+        qk = apply_rotary(qk.view(num_tokens, h + kvh, d), cos, sin, self.fused)
         q, k = qk.split([h, kvh], dim=1)
         out = self.attn(q, k, v.view(num_tokens, kvh, d), meta)  # (T, H * D)
         return self.o_proj(out)

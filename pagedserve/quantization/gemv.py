@@ -1,4 +1,4 @@
-"""Decode-sized linear layers (at most 8 rows) through csrc/gemv_cpu.cpp.
+"""Decode-sized linear layers (at most 8 rows) through pagedserve/csrc/gemv_cpu.cpp.
 
 Why: a batch-1 decode step reads every weight once, so it is bound by memory bandwidth,
 and oneDNN's prepacked GEMM (blocked for ~64 rows) reads a one-row product at well under
@@ -20,53 +20,38 @@ beside the GEMM path's own (`gemv_weight`; for int8 on AVX512-BF16 CPUs the C++ 
 from __future__ import annotations
 
 import functools
-import logging
-import pathlib
 from typing import Any
 
 import torch
 
-from pagedserve import envs
-from pagedserve.cpp_build import CFLAGS, load_cpp_ops
-
-logger = logging.getLogger(__name__)
+from pagedserve import cpp_build, envs
 
 TILE = 16
 # Rows up to which the kernel is used (its build refuses more; a decode batch this small is
 # memory-bound, a larger one is better served by a blocked GEMM).
 MAX_ROWS = 8
-_SOURCE = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "gemv_cpu.cpp"
-# The int8 epilogue multiplies and adds in separate roundings, as torch does.
-_CFLAGS = [*CFLAGS, "-ffp-contract=off"]
 
 
-class GemvKernelError(RuntimeError):
-    pass
-
-
-@functools.lru_cache(maxsize=1)
-def _load() -> Any:
-    try:
-        load_cpp_ops("pagedserve_gemv", _SOURCE, _CFLAGS, "decode GEMV kernel", GemvKernelError)
-    except GemvKernelError as exc:
-        logger.warning("gemv: decode layers use the GEMM path: %s", exc)
-        return None
-    ops = torch.ops.pagedserve_gemv
-    if not ops.available():
-        logger.info("gemv: this CPU has no AVX2/FMA; decode layers use the GEMM path")
-        return None
-    return ops
+@functools.lru_cache(maxsize=1)  # a no-argument cache: ~50 ns on the per-layer hot path
+def _ops() -> Any:
+    return cpp_build.load(cpp_build.GEMV).ops
 
 
 def gemv_ops() -> Any:
-    """The C++ ops, or None when they are off (`PAGEDSERVE_GEMV=off`) or cannot run here."""
+    """The C++ ops, or None when they are off (`PAGEDSERVE_GEMV=off`) or cannot run here
+    (no compiler, no AVX2/FMA: the layers use the GEMM path). Asked while weights are
+    processed at load, so the environment is read then, never per call.
+
+    Raises:
+        KernelUnavailable: PAGEDSERVE_GEMV=cpp and the kernel is unavailable.
+    """
     choice = envs.gemv()
     if choice == "off":
         return None
-    ops = _load()
-    if ops is None and choice == "cpp":
-        raise GemvKernelError("PAGEDSERVE_GEMV=cpp but the decode GEMV kernel is unavailable")
-    return ops
+    loaded = cpp_build.load(cpp_build.GEMV)
+    if choice == "cpp":
+        loaded.require()
+    return loaded.ops
 
 
 def takes(weight: torch.Tensor) -> bool:
@@ -101,7 +86,7 @@ def rows_of(x: torch.Tensor) -> int:
 def dense(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., in) float32/bf16 -> x W^T + b (..., out) in x.dtype; at most MAX_ROWS rows.
     (The op flattens x itself: no Python reshape around the hot call.)"""
-    return _load().gemv_dense(x, tiles, bias)
+    return _ops().gemv_dense(x, tiles, bias)
 
 
 def int8(
@@ -109,4 +94,4 @@ def int8(
 ) -> torch.Tensor:
     """x (..., in) -> float(bf16(bf16(x) q^T)) * scale + bias (..., out) float32; at most
     MAX_ROWS rows."""
-    return _load().gemv_int8(x, tiles, scale, bias)
+    return _ops().gemv_int8(x, tiles, scale, bias)

@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import pathlib
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.cpp_build import CFLAGS, load_cpp_ops
+from pagedserve import cpp_build
 from pagedserve.quantization import gemv as gemv_kernel
 from pagedserve.quantization.base import LinearMethod, add_bias
 
@@ -50,26 +49,12 @@ logger = logging.getLogger(__name__)
 
 COMPUTE_DTYPE = torch.bfloat16
 TILE = 16  # output channels per tile of `qweight_packed` (kTile in the C++ source)
-_SOURCE = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "int8_linear_cpu.cpp"
 
 
-class Int8KernelError(RuntimeError):
-    pass
-
-
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)  # a no-argument cache: ~50 ns on the per-layer hot path
 def cpp_ops() -> Any:
     """The C++ int8 ops, or None when they cannot run here (no compiler, no AVX512-BF16)."""
-    try:
-        load_cpp_ops("pagedserve_int8", _SOURCE, CFLAGS, "int8 linear kernel", Int8KernelError)
-    except Int8KernelError as exc:
-        logger.warning("int8: using torch's kernels: %s", exc)
-        return None
-    ops = torch.ops.pagedserve_int8
-    if not ops.available():
-        logger.info("int8: this CPU has no AVX512-BF16; using torch's kernels")
-        return None
-    return ops
+    return cpp_build.load(cpp_build.INT8).ops
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,14 +8,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.models.layers.fused_ops import cpu_ops
+from pagedserve.models.layers import fused_ops
 
 
 class SiluAndMul(nn.Module):
     """SwiGLU: x = [gate | up] (last dim 2 * I) -> silu(gate) * up, (..., I)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = fused_ops.resolve()  # the C++ ops or None, chosen once (PAGEDSERVE_FUSED_OPS)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = cpu_ops(x) if x.dim() == 2 else None
+        ops = fused_ops.for_tensor(self.fused, x) if x.dim() == 2 else None
         if ops is not None and x.stride(1) == 1:
             return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)

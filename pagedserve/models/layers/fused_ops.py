@@ -1,9 +1,10 @@
-"""The decoder's elementwise steps as single C++ passes on CPU (csrc/fused_ops_cpu.cpp).
+"""The decoder's elementwise steps as single C++ passes on CPU (pagedserve/csrc/fused_ops_cpu.cpp).
 
 RMSNorm (with its residual add), SiLU * up and rotary are 5-9 torch ops each; fused, each is
-one read and one write of the activations. The layers call `cpu_ops(x)`: the op namespace
-when the C++ ops apply to `x` (CPU, float32 / bfloat16, they built), else None and the
-layer runs its torch code, which stays the reference (tests compare the two).
+one read and one write of the activations. Each layer calls `resolve()` once, when the model
+is built (which builds or loads the kernel then, never on a request), and keeps the answer:
+the op namespace, or None for the torch code, which stays the reference (tests compare the
+two). At run time `for_tensor(ops, x)` only checks that `x` is a CPU float32 / bfloat16 tensor.
 `PAGEDSERVE_FUSED_OPS=torch` forces the torch code, `=cpp` makes a failed build an error.
 """
 
@@ -11,52 +12,46 @@ from __future__ import annotations
 
 import functools
 import logging
-import pathlib
 from typing import Any
 
 import torch
 
-from pagedserve import envs
-from pagedserve.cpp_build import CFLAGS, load_cpp_ops
+from pagedserve import cpp_build, envs
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = pathlib.Path(__file__).resolve().parents[3] / "csrc" / "fused_ops_cpu.cpp"
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-class FusedOpsError(RuntimeError):
-    pass
+def resolve() -> Any:
+    """The fused ops a layer built now should use (honours PAGEDSERVE_FUSED_OPS), or None.
 
-
-@functools.lru_cache(maxsize=1)
-def _load() -> tuple[Any, FusedOpsError | None]:
-    try:
-        load_cpp_ops("pagedserve_fused", _SOURCE, CFLAGS, "fused elementwise ops", FusedOpsError)
-    except FusedOpsError as exc:
-        return None, exc
-    return torch.ops.pagedserve_fused, None
+    Raises:
+        KernelUnavailable: PAGEDSERVE_FUSED_OPS=cpp and the kernel cannot be built.
+        ValueError: PAGEDSERVE_FUSED_OPS has another value.
+    """
+    choice = envs.fused_ops()
+    # A layer built for another device (the loader's `with torch.device(...)`) never runs them.
+    if choice == "torch" or torch.empty(0).device.type != "cpu":
+        return None
+    loaded = cpp_build.load(cpp_build.FUSED_OPS)
+    if loaded.ops is None:
+        if choice == "cpp":
+            loaded.require()
+        _warn_once(loaded.reason or "")
+    return loaded.ops
 
 
 def available() -> bool:
-    """Whether the C++ ops are in use for CPU tensors (honours PAGEDSERVE_FUSED_OPS)."""
-    choice = envs.fused_ops()
-    if choice == "torch":
-        return False
-    ops, error = _load()
-    if error is not None:
-        if choice == "cpp":
-            raise error
-        _warn_once(str(error))
-        return False
-    return True
+    """Whether layers built now use the C++ ops."""
+    return resolve() is not None
 
 
-def cpu_ops(x: torch.Tensor) -> Any:
-    """The op namespace if the fused ops should handle `x`, else None."""
-    if x.device.type != "cpu" or x.dtype not in _DTYPES or not available():
+def for_tensor(ops: Any, x: torch.Tensor) -> Any:
+    """`ops` if they should handle `x` (a CPU float32 / bfloat16 tensor), else None."""
+    if ops is None or x.device.type != "cpu" or x.dtype not in _DTYPES:
         return None
-    return _load()[0]
+    return ops
 
 
 @functools.cache

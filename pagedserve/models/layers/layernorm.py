@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.models.layers.fused_ops import cpu_ops
+from pagedserve.models.layers import fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +21,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.fused = fused_ops.resolve()  # the C++ ops or None, chosen once (PAGEDSERVE_FUSED_OPS)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -31,7 +32,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ops = cpu_ops(x) if x.dim() == 2 and x.dtype == self.weight.dtype else None
+        ops = fused_ops.for_tensor(self.fused, x) if x.dim() == 2 and x.dtype == self.weight.dtype else None
         if ops is not None and x.stride(1) == 1:
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.eps)

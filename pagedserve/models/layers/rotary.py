@@ -13,11 +13,13 @@ sequence length at run time and are refused.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedserve.models.layers.fused_ops import cpu_ops
+from pagedserve.models.layers import fused_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -83,9 +85,14 @@ def _current_device() -> torch.device:
     return torch.empty(0).device
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (num_tokens, num_heads, head_dim), cos/sin (num_tokens, head_dim // 2) -> rotated x."""
-    ops = cpu_ops(x)
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: Any = None
+) -> torch.Tensor:
+    """x (num_tokens, num_heads, head_dim), cos/sin (num_tokens, head_dim // 2) -> rotated x.
+
+    `fused`: the caller's `fused_ops.resolve()` (chosen when it was built); None = torch code.
+    """
+    ops = fused_ops.for_tensor(fused, x)
     if ops is not None and x.stride(2) == 1 and cos.dtype == x.dtype:
         return ops.rotary(x, cos.contiguous(), sin.contiguous())
     cos, sin = cos[:, None, :], sin[:, None, :]

@@ -39,17 +39,14 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDSERVE_GEMV_AVX2 1
-#endif
+#include "pagedserve_common.h"
 
 namespace {
 
 constexpr int kTile = 16;          // output channels per tile
 constexpr int64_t kMaxRows = 8;    // the op refuses more (larger batches: the GEMM path)
 
-#if defined(PAGEDSERVE_GEMV_AVX2)
+#if defined(PAGEDSERVE_AVX2)
 
 // Loaders: the 8 elements (p, 8 v .. 8 v + 7) of a tile as floats, v in 0..3.
 struct LoadF32 {
@@ -158,7 +155,7 @@ void dense_impl(const at::Tensor& xf, const Elem* w, int64_t tiles, const at::Te
   });
 }
 
-#endif  // PAGEDSERVE_GEMV_AVX2
+#endif  // PAGEDSERVE_AVX2
 
 // x (..., K) as a contiguous (M, K) matrix (a view when it already is one): the reshape
 // happens here, not as Python ops around every call.
@@ -193,7 +190,7 @@ at::Tensor gemv_dense(const at::Tensor& x_in, const at::Tensor& w, const c10::op
   at::Tensor b = bias.has_value() ? *bias : at::Tensor();
   TORCH_CHECK(!b.defined() || b.numel() == N, "gemv_dense: bias must have N elements");
   at::Tensor y = at::empty(out_shape(x_in, N), x.options());
-#if defined(PAGEDSERVE_GEMV_AVX2)
+#if defined(PAGEDSERVE_AVX2)
   if (x.size(0) == 0) return y;
   at::Tensor xf = x_as_float(x, false).contiguous();
   if (w.scalar_type() == at::kFloat)
@@ -220,7 +217,7 @@ at::Tensor gemv_int8(const at::Tensor& x_in, const at::Tensor& w, const at::Tens
   TORCH_CHECK(!b.defined() || (b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == N),
               "gemv_int8: bias must be (N,) float32");
   at::Tensor y = at::empty(out_shape(x_in, N), x.options().dtype(at::kFloat));
-#if defined(PAGEDSERVE_GEMV_AVX2)
+#if defined(PAGEDSERVE_AVX2)
   const int64_t M = x.size(0), K = x.size(1), tiles = w.size(0);
   if (M == 0) return y;
   at::Tensor xf = x_as_float(x, true).contiguous();
@@ -246,7 +243,7 @@ at::Tensor gemv_int8(const at::Tensor& x_in, const at::Tensor& w, const at::Tens
 }
 
 bool available() {
-#if defined(PAGEDSERVE_GEMV_AVX2)
+#if defined(PAGEDSERVE_AVX2)
   return true;
 #else
   return false;
@@ -257,7 +254,7 @@ int64_t max_rows() { return kMaxRows; }
 
 }  // namespace
 
-TORCH_LIBRARY(pagedserve_gemv, m) {
+TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
   m.def("gemv_dense(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("gemv_int8(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
   m.def("available() -> bool", &available);

@@ -56,16 +56,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+#include "pagedserve_common.h"
 
 namespace {
 
-using bf16 = c10::BFloat16;
-#ifndef LORA_OPS_NAMESPACE
-#define LORA_OPS_NAMESPACE pagedserve_lora
-#endif
+using pagedserve::bf16;
 
 constexpr int kPanel = 16;              // output columns per B panel (a multiple of every W)
 constexpr int kRankChunk = 8;           // ranks per phase-1 task
@@ -97,17 +92,15 @@ struct VecScalar {
   static R reduce(const R* a) { return a[0]; }
 };
 
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_AVX512)
 struct Vec512 {
   static constexpr int W = 16;
   using R = __m512;
   static R zero() { return _mm512_setzero_ps(); }
   static R set1(float v) { return _mm512_set1_ps(v); }
   static R load(const float* p) { return _mm512_loadu_ps(p); }
-  static R widen(__m256i h) {  // bf16 -> fp32 is a 16-bit left shift
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  static R load(const bf16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static R widen(__m256i h) { return pagedserve::widen_bf16x16(h); }
+  static R load(const bf16* p) { return pagedserve::load_bf16x16(p); }
   static R load_n(const float* p, int n) { return _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), p); }
   static R load_n(const bf16* p, int n) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -121,46 +114,19 @@ struct Vec512 {
   static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
   static R add(R a, R b) { return _mm512_add_ps(a, b); }
   static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
-  static void store(bf16* p, R v) {  // round to nearest even
-#if defined(__AVX512BF16__)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-#else
-    __m512i b = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
-#endif
-  }
-  // out[i] = horizontal sum of a[i], i < 16: 15 unpack/shuffle + 15 adds instead of 16 hsums.
-  static R reduce(const R* a) {
-    R x[8], y[4];
-    for (int i = 0; i < 8; ++i)
-      x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                           _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) {
-      const __m512d p = _mm512_castps_pd(x[2 * i]), q = _mm512_castps_pd(x[2 * i + 1]);
-      y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, q)),
-                           _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)));
-    }
-    // y[i], 128-bit lane L, element e: lane-L partial sum of a[4i + e]; add the 4 lanes.
-    const R z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
-    const R z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
-  }
+  static void store(bf16* p, R v) { pagedserve::store_bf16x16(p, v); }  // nearest even
+  static R reduce(const R* a) { return pagedserve::reduce16(a); }  // out[i] = hsum of a[i]
 };
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(PAGEDSERVE_AVX2)
 struct Vec256 {
   static constexpr int W = 8;
   using R = __m256;
   static R zero() { return _mm256_setzero_ps(); }
   static R set1(float v) { return _mm256_set1_ps(v); }
   static R load(const float* p) { return _mm256_loadu_ps(p); }
-  static R load(const bf16* p) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
+  static R load(const bf16* p) { return pagedserve::load_bf16x8(p); }
   static R load_n(const float* p, int n) {
     const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     return _mm256_maskload_ps(p, mask);
@@ -173,25 +139,14 @@ struct Vec256 {
   static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
   static R add(R a, R b) { return _mm256_add_ps(a, b); }
   static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
-  static void store(bf16* p, R v) {  // round to nearest even; values fit 16 bits after the shift
-    __m256i b = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
-  }
-  static R reduce(const R* a) {  // out[i] = horizontal sum of a[i], i < 8
-    const R h0 = _mm256_hadd_ps(a[0], a[1]), h1 = _mm256_hadd_ps(a[2], a[3]);
-    const R h2 = _mm256_hadd_ps(a[4], a[5]), h3 = _mm256_hadd_ps(a[6], a[7]);
-    const R g0 = _mm256_hadd_ps(h0, h1), g1 = _mm256_hadd_ps(h2, h3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
-  }
+  static void store(bf16* p, R v) { pagedserve::store_bf16x8(p, v); }  // nearest even
+  static R reduce(const R* a) { return pagedserve::reduce8(a); }  // out[i] = hsum of a[i]
 };
 #endif
 
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_AVX512)
 using VecBest = Vec512;
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(PAGEDSERVE_AVX2)
 using VecBest = Vec256;
 #else
 using VecBest = VecScalar;
@@ -396,7 +351,7 @@ void phase2(const Call<T, W>& C, const Seg& s, const Task& k, const float* t) {
 // Most rows per task of the transposed path; outside the #if because make_tasks names it on
 // every CPU (the path itself is AVX-512 only: without it the build failed on AVX2 machines).
 constexpr int kAtRows = 64;
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_AVX512)
 // Phase 1 of a long float32 segment, 16 ranks at a time, without horizontal sums: 16 rows of
 // A are transposed into At (in, 16), then each step broadcasts x[i, l] and FMAs one vector
 // of 16 ranks, MT rows in flight (the dot-product kernel reduces W sums per 16 dots). The
@@ -483,10 +438,10 @@ void phase1_at(const Call<float, W>& C, const Seg& s, const Task& k, const float
 
 // Whether a segment's phase 1 takes phase1_at: AVX-512, float32, ranks in multiples of 16,
 // long enough segments (at ranks 32 / 64 and 128-2048 tokens it also took 10-16% less LoRA
-// time than BLAS, benchmarks/lora_micro.py shapes). -DLORA_NO_TRANSPOSED turns it off (A/B).
+// time than BLAS, benchmarks/lora_micro.py shapes).
 template <class T>
 inline bool takes_transposed(const Seg& g) {
-#if defined(__AVX512F__) && !defined(LORA_NO_TRANSPOSED)
+#if defined(PAGEDSERVE_AVX512)
   return std::is_same_v<T, float> && g.r % 16 == 0 &&
          (g.n >= kAtMinRows || (g.r >= 32 && g.n >= kAtMinRowsHighRank));
 #else
@@ -545,25 +500,20 @@ void make_tasks(std::vector<Seg>& segs, int in, std::vector<Task>& t0, std::vect
 // Phase 0: the transposes of the task's segment (only float32 segments are transposed).
 template <class T, class W>
 inline void phase0(const Call<T, W>& C, const Seg& s, const Task& k, float* at) {
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_AVX512)
   if constexpr (std::is_same_v<T, float>) transpose_a(C, s, k, at + s.at_off + int64_t(k.begin) * C.in);
 #endif
 }
 
 template <class V, class T, class W>
 inline void phase1_any(const Call<T, W>& C, const Seg& s, const Task& k, const float* at, float* t) {
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_AVX512)
   if constexpr (std::is_same_v<T, float>) {
     if (s.transposed) return phase1_at(C, s, k, at + s.at_off + int64_t(k.begin) * C.in, t);
   }
 #endif
   phase1<V>(C, s, k, t);
 }
-
-// Debug builds may time one phase alone (-DLORA_PHASES=1 or 2); the default runs both.
-#ifndef LORA_PHASES
-#define LORA_PHASES 3
-#endif
 
 template <class V, class T, class W>
 void run(const Call<T, W>& C, std::vector<Seg>& segs, float* t, int64_t macs) {
@@ -574,29 +524,23 @@ void run(const Call<T, W>& C, std::vector<Seg>& segs, float* t, int64_t macs) {
   if (int64_t(at_scratch.size()) < at_size) at_scratch.resize(at_size);
   float* at = at_scratch.data();
   const int64_t n0 = int64_t(t0.size()), n1 = int64_t(t1.size()), n2 = int64_t(t2.size());
-  const int64_t by_work = std::max<int64_t>(1, macs / kThreadMacs);
-  const int threads = int(std::min<int64_t>({int64_t(at::get_num_threads()), by_work, std::max(n1, n2)}));
-  constexpr bool p1 = LORA_PHASES & 1, p2 = LORA_PHASES & 2;
+  const int threads = pagedserve::region_threads(std::max(n1, n2), macs, kThreadMacs);
   if (threads <= 1) {
-    if (p1) for (const Task& k : t0) phase0(C, segs[k.seg], k, at);
-    if (p1) for (const Task& k : t1) phase1_any<V>(C, segs[k.seg], k, at, t);
-    if (p2) for (const Task& k : t2) phase2<V>(C, segs[k.seg], k, t);
+    for (const Task& k : t0) phase0(C, segs[k.seg], k, at);
+    for (const Task& k : t1) phase1_any<V>(C, segs[k.seg], k, at, t);
+    for (const Task& k : t2) phase2<V>(C, segs[k.seg], k, t);
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
-    if (p1) {
-      if (n0 > 0) {
+    if (n0 > 0) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t j = 0; j < n0; ++j) phase0(C, segs[t0[j].seg], t0[j], at);
-      }
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t j = 0; j < n1; ++j) phase1_any<V>(C, segs[t1[j].seg], t1[j], at, t);
+      for (int64_t j = 0; j < n0; ++j) phase0(C, segs[t0[j].seg], t0[j], at);
     }
-    if (p2) {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t j = 0; j < n2; ++j) phase2<V>(C, segs[t2[j].seg], t2[j], t);
-    }
+    for (int64_t j = 0; j < n1; ++j) phase1_any<V>(C, segs[t1[j].seg], t1[j], at, t);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t j = 0; j < n2; ++j) phase2<V>(C, segs[t2[j].seg], t2[j], t);
   }
 }
 
@@ -722,14 +666,13 @@ void sgmv_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& sa, const a
   float* t = scratch.data();
   for (const Seg& s : segs)
     if (s.mm) phase1_mm(x, sa, s, t);
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(PAGEDSERVE_AVX512) || defined(PAGEDSERVE_AVX2)
   run<VecBest>(C, segs, t, macs);
 #else
   run<VecScalar>(C, segs, t, macs);
 #endif
-  if constexpr ((LORA_PHASES & 2) != 0)
-    for (const Seg& s : segs)
-      if (s.mm2) phase2_mm(y, sb, s, t);
+  for (const Seg& s : segs)
+    if (s.mm2) phase2_mm(y, sb, s, t);
 }
 
 void lora_sgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& storage_a,
@@ -778,19 +721,11 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& packed_weight, con
   return y;
 }
 
-std::string isa() {
-#if defined(__AVX512F__)
-  return "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
+std::string isa() { return pagedserve::isa_name(); }
 
 }  // namespace
 
-TORCH_LIBRARY(LORA_OPS_NAMESPACE, m) {
+TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
   m.def(
       "lora_sgmv(Tensor(a!) y, Tensor x, Tensor storage_a, Tensor storage_b, Tensor seg_starts, "
       "Tensor a_offsets, Tensor b_offsets, Tensor ranks, Tensor scales, int[] slices, "

@@ -34,10 +34,7 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define PAGEDSERVE_INT8_AVX512BF16 1
-#endif
+#include "pagedserve_common.h"
 
 namespace {
 
@@ -47,7 +44,7 @@ constexpr int kRows = 8;        // rows per register tile (MT)
 constexpr int64_t kRowBlock = 128;  // rows sharing one conversion of a group's weights
 constexpr int64_t kDirectRows = 4;  // up to this many rows, convert in registers (no buffer)
 
-#if defined(PAGEDSERVE_INT8_AVX512BF16)
+#if defined(PAGEDSERVE_AVX512BF16)
 
 // Converts tiles [t0, t0 + nt) of the packed int8 weight to bf16 pairs in `buf`, laid out
 // [pair][tile][16 dwords] so the micro-kernel reads nt consecutive vectors per k-pair.
@@ -179,7 +176,7 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   });
 }
 
-#endif  // PAGEDSERVE_INT8_AVX512BF16
+#endif  // PAGEDSERVE_AVX512BF16
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias) {
@@ -196,7 +193,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(!b.defined() || (b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == N),
               "int8_linear: bias must be (N,) float32");
   at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
-#if defined(PAGEDSERVE_INT8_AVX512BF16)
+#if defined(PAGEDSERVE_AVX512BF16)
   if (x.size(0) > 0) linear_impl(x, packed, scale, b, y);
 #else
   TORCH_CHECK(false, "int8_linear: this build has no AVX512-BF16 support");
@@ -205,7 +202,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 }
 
 bool available() {
-#if defined(PAGEDSERVE_INT8_AVX512BF16)
+#if defined(PAGEDSERVE_AVX512BF16)
   return true;
 #else
   return false;
@@ -214,7 +211,7 @@ bool available() {
 
 }  // namespace
 
-TORCH_LIBRARY(pagedserve_int8, m) {
+TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
   m.def("available() -> bool", &available);
   m.impl("int8_linear", c10::DispatchKey::CPU, &int8_linear);

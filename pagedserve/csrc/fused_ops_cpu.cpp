@@ -24,14 +24,14 @@
 #include <cstring>
 #include <tuple>
 
+#include "pagedserve_common.h"
+
 namespace {
 
-using bf16 = c10::BFloat16;
-
-inline float to_f(float v) { return v; }
-inline float to_f(bf16 v) { return static_cast<float>(v); }
-template <class T>
-inline T from_f(float v) { return static_cast<T>(v); }
+using pagedserve::bf16;
+using pagedserve::from_f;
+using pagedserve::grain_rows;
+using pagedserve::to_f;
 
 // Calls f(T{}) with T = float or bfloat16 (the checks already refused other dtypes).
 template <class F>
@@ -39,9 +39,6 @@ inline void dispatch(at::ScalarType dtype, F f) {
   if (dtype == at::kFloat) f(float{});
   else f(bf16{});
 }
-
-// Rows per parallel chunk: ~64 KB of work each, so a decode's few rows stay on one thread.
-inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
 
 // float32 sum of squares over 16 independent lanes (vectorizes without -ffast-math).
 template <class T>
@@ -211,7 +208,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 }  // namespace
 
-TORCH_LIBRARY(pagedserve_fused, m) {
+TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");

@@ -39,17 +39,11 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+#include "pagedserve_common.h"
 
 namespace {
 
-using bf16 = c10::BFloat16;
-// The op namespace; A/B experiments build variants under other names into one process.
-#ifndef PAGED_OPS_NAMESPACE
-#define PAGED_OPS_NAMESPACE pagedserve_cpu
-#endif
+using pagedserve::bf16;
 // Keys per tile: a multiple of every vector width below. 16 and 64 measured the same.
 constexpr int KT = 32;
 // Prefetch distance in tiles. 1 measured best (2-3: ~25% slower decode, polluting L1/L2).
@@ -94,17 +88,14 @@ struct VecScalar {  // portable fallback (also used when head_dim is not a multi
   y = V::fma(y, V::mul(x, x), V::add(x, V::set1(1.f)));                 \
   return V::mul(y, V::pow2i(fx));
 
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_AVX512)
 struct Vec512 {
   static constexpr int W = 16, kUnroll = 4;  // 32 registers: 4 x 4 accumulators + loads
   using R = __m512;
   static R zero() { return _mm512_setzero_ps(); }
   static R set1(float x) { return _mm512_set1_ps(x); }
   static R load(const float* p) { return _mm512_loadu_ps(p); }
-  static R load(const bf16* p) {  // bf16 -> fp32 is a 16-bit left shift
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
+  static R load(const bf16* p) { return pagedserve::load_bf16x16(p); }
   static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
   static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
   static R fnma(R a, R b, R c) { return _mm512_fnmadd_ps(a, b, c); }
@@ -121,38 +112,20 @@ struct Vec512 {
   static R exp(R x) { PAGED_EXP_BODY(Vec512, x) }
   static float hsum(R v) { return _mm512_reduce_add_ps(v); }
   static float hmax(R v) { return _mm512_reduce_max_ps(v); }
-  // out[i] = horizontal sum of acc[i], for 16 vectors: 45 shuffles/adds instead of 16 hsums.
-  static R reduce(const R* a) {
-    R x[8], y[4];
-    for (int i = 0; i < 8; ++i)
-      x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                           _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) {
-      __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]));
-      __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]));
-      y[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-    }
-    // y[i] 128-bit lane L, element e: lane-L partial sum of a[4i + e]; sum the 4 lanes.
-    R z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
-    R z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
-  }
+  static R reduce(const R* a) { return pagedserve::reduce16(a); }  // out[i] = hsum of a[i]
   // Into L2 (T1): T0 measured 2x slower, the next tile evicting the current one from L1.
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 };
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(PAGEDSERVE_AVX2)
 struct Vec256 {
   static constexpr int W = 8, kUnroll = 2;  // 16 registers: 4 x 2 accumulators + loads
   using R = __m256;
   static R zero() { return _mm256_setzero_ps(); }
   static R set1(float x) { return _mm256_set1_ps(x); }
   static R load(const float* p) { return _mm256_loadu_ps(p); }
-  static R load(const bf16* p) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
+  static R load(const bf16* p) { return pagedserve::load_bf16x8(p); }
   static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
   static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
   static R fnma(R a, R b, R c) { return _mm256_fnmadd_ps(a, b, c); }
@@ -167,29 +140,16 @@ struct Vec256 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
   }
   static R exp(R x) { PAGED_EXP_BODY(Vec256, x) }
-  static float hsum(R v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-  }
-  static float hmax(R v) {
-    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-  }
-  static R reduce(const R* a) {  // out[i] = horizontal sum of a[i], 8 vectors
-    R h0 = _mm256_hadd_ps(a[0], a[1]), h1 = _mm256_hadd_ps(a[2], a[3]);
-    R h2 = _mm256_hadd_ps(a[4], a[5]), h3 = _mm256_hadd_ps(a[6], a[7]);
-    R g0 = _mm256_hadd_ps(h0, h1), g1 = _mm256_hadd_ps(h2, h3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
-  }
+  static float hsum(R v) { return pagedserve::hsum8(v); }
+  static float hmax(R v) { return pagedserve::hmax8(v); }
+  static R reduce(const R* a) { return pagedserve::reduce8(a); }  // out[i] = hsum of a[i]
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 };
 #endif
 
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_AVX512)
 using VecBest = Vec512;
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(PAGEDSERVE_AVX2)
 using VecBest = Vec256;
 #else
 using VecBest = VecScalar;
@@ -489,8 +449,8 @@ void run_all(const Params<T>& P, const Item* items, int64_t num_items, int hpt, 
   const int groups = (P.KVH + hpt - 1) / hpt;
   const int64_t tasks = num_items * groups;
   const int state_rows = std::max(max_q, hpt) * P.G, max_rows = max_q * P.G;
-  const int threads = int(std::min<int64_t>(at::get_num_threads(), tasks));
   if (tasks == 0) return;
+  const int threads = pagedserve::region_threads(tasks);
 #pragma omp parallel num_threads(threads)
   {
     Scratch<T> S(state_rows, max_rows, P.D);
@@ -514,7 +474,7 @@ template <class T>
 void dispatch(const Params<T>& P, const at::Tensor& items, int hpt, int max_q) {
   const Item* it = reinterpret_cast<const Item*>(items.data_ptr<int32_t>());
   const int64_t n = items.size(0);
-#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
+#if !defined(PAGEDSERVE_AVX512) && !defined(PAGEDSERVE_AVX2)
   run_all<VecScalar, T>(P, it, n, hpt, max_q);
 #else
   if (P.D % VecBest::W == 0) {
@@ -641,19 +601,11 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 }
 
 // Which SIMD path this build uses (reported by the Python side).
-std::string isa() {
-#if defined(__AVX512F__)
-  return "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
+std::string isa() { return pagedserve::isa_name(); }
 
 }  // namespace
 
-TORCH_LIBRARY(PAGED_OPS_NAMESPACE, m) {
+TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor q_start, Tensor items, Tensor merges, float scale, "

@@ -1,0 +1,153 @@
+// What the CPU kernels share: ISA detection, bfloat16 <-> float32 conversion (scalar and
+// vector), horizontal sums, and how many OpenMP threads a parallel region gets.
+//
+// ISA: the sources compile with -march=native (pagedserve/cpp_build.py), so the compiler's
+// macros say what this machine runs. One name per level, used by every kernel:
+//
+//     PAGEDSERVE_AVX512       AVX-512F                    16 floats per vector
+//     PAGEDSERVE_AVX2         AVX2 + FMA                   8 floats per vector
+//     PAGEDSERVE_AVX512BF16   AVX-512 BF16 + BW            vdpbf16ps (int8 linear)
+//     (none)                  scalar code only
+//
+// A variant build (`cpp_build.load(kernel, ("-mno-avx512f",), namespace=...)`) turns a level
+// off, so the AVX2 path of a kernel can be tested on an AVX-512 machine.
+//
+// Op namespace: every source registers TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m); the loader
+// defines the macro (the kernel's default namespace, or a variant's own), so several builds of
+// one source load into one process.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#if defined(__AVX512F__)
+#define PAGEDSERVE_AVX512 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define PAGEDSERVE_AVX2 1
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PAGEDSERVE_AVX512BF16 1
+#endif
+#if defined(PAGEDSERVE_AVX512) || defined(PAGEDSERVE_AVX2)
+#include <immintrin.h>
+#endif
+
+#ifndef PAGEDSERVE_OPS_NAMESPACE
+#error "PAGEDSERVE_OPS_NAMESPACE must be defined (pagedserve/cpp_build.py defines it)"
+#endif
+
+namespace pagedserve {
+
+using bf16 = c10::BFloat16;
+
+// The widest SIMD level of this build: "avx512", "avx2" or "scalar" (each op library's isa()).
+inline std::string isa_name() {
+#if defined(PAGEDSERVE_AVX512)
+  return "avx512";
+#elif defined(PAGEDSERVE_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+// ---- scalar conversions --------------------------------------------------------------------
+
+inline float to_f(float v) { return v; }
+inline float to_f(bf16 v) { return static_cast<float>(v); }
+template <class T>
+inline T from_f(float v) { return static_cast<T>(v); }
+
+// ---- vector bfloat16: widening is a 16-bit left shift; narrowing rounds to nearest even ----
+
+#if defined(PAGEDSERVE_AVX2)
+inline __m256 widen_bf16x8(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load_bf16x8(const bf16* p) {
+  return widen_bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store_bf16x8(bf16* p, __m256 v) {  // values fit 16 bits after the shift
+  __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+}
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+// out[i] = horizontal sum of a[i], i < 8: 6 hadds and 2 permutes instead of 8 hsums.
+inline __m256 reduce8(const __m256* a) {
+  const __m256 h0 = _mm256_hadd_ps(a[0], a[1]), h1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h2 = _mm256_hadd_ps(a[4], a[5]), h3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 g0 = _mm256_hadd_ps(h0, h1), g1 = _mm256_hadd_ps(h2, h3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
+}
+#endif
+
+#if defined(PAGEDSERVE_AVX512)
+inline __m512 widen_bf16x16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load_bf16x16(const bf16* p) {
+  return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void store_bf16x16(bf16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+#endif
+}
+// out[i] = horizontal sum of a[i], i < 16: 15 unpack/shuffle + 15 adds instead of 16 hsums.
+inline __m512 reduce16(const __m512* a) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d p = _mm512_castps_pd(x[2 * i]), q = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, q)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)));
+  }
+  // y[i], 128-bit lane L, element e: lane-L partial sum of a[4i + e]; add the 4 lanes.
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
+#endif
+
+// ---- OpenMP chunking -----------------------------------------------------------------------
+
+// Threads for a parallel region of `tasks` independent tasks holding `work` units in all:
+// never more than torch's thread count or the tasks, and, with `min_work_per_thread` > 0,
+// one fewer thread per missing share of work (waking a thread costs ~2 us, so a small call
+// runs on fewer threads; 1 means run inline).
+inline int region_threads(int64_t tasks, int64_t work = 0, int64_t min_work_per_thread = 0) {
+  int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  if (min_work_per_thread > 0) threads = std::min(threads, std::max<int64_t>(1, work / min_work_per_thread));
+  return int(std::max<int64_t>(threads, 1));
+}
+
+// at::parallel_for grain for rows of `cols` elements: ~64 KB of work per chunk, so a decode's
+// few rows stay on one thread.
+inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
+
+}  // namespace pagedserve
