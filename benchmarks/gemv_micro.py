@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +25,6 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from pagedserve.quantization import gemv  # noqa: E402
 from pagedserve.quantization.int8 import Int8LinearMethod, pack_for_cpp, quantize_int8  # noqa: E402

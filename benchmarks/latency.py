@@ -44,7 +44,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.demo_models import default_cache_dir, get_model_path  # noqa: E402

@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -58,7 +57,6 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from pagedserve import LLM, LoRARequest, SamplingParams  # noqa: E402
 from pagedserve.bench.lora import write_random_adapter  # noqa: E402
@@ -295,32 +293,25 @@ def paired_run(llm: LLM, alternatives: dict[str, Any], run: Any) -> tuple[dict, 
     The run as it would be with one side only is its wall time less every other side's
     forward and tables (`one_sided_wall`); the values computed do not matter (ignore_eos,
     fixed lengths)."""
-    from pagedserve.lora import layers
-
     runner = llm.llm_engine.runner
-    forward, build = runner.model.forward, runner._lora_segments
     sides = ["own", *alternatives]
+    builders = {"own": runner.lora_segments, **alternatives}
     times: dict[str, Any] = {side + suffix: 0.0 for side in sides for suffix in ("", "_tables")}
     times["ratios"] = {name: [] for name in alternatives}
-    state: dict[str, Any] = {"step": 0, "segments": {}}
+    state = {"step": 0}
 
-    def all_tables(sched: Any) -> Any:
-        builders = {"own": build, **alternatives}
+    def paired_forward(sched: Any, forward: Any) -> Any:
+        segments = {}
         for side in sides:
             t0 = time.perf_counter()
-            state["segments"][side] = builders[side](sched)
+            segments[side] = builders[side](sched)
             times[side + "_tables"] += time.perf_counter() - t0
-        return state["segments"]["own"]
-
-    def paired_forward(*a: Any, **kw: Any) -> Any:
-        state["segments"]["own"] = layers._segments.get()
         shift = state["step"] % len(sides)
         step, out = {}, None
         for side in sides[shift:] + sides[:shift]:
-            with layers.lora_step(state["segments"][side]):
-                t0 = time.perf_counter()
-                result = forward(*a, **kw)
-                step[side] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            result = forward(segments[side])
+            step[side] = time.perf_counter() - t0
             if side == "own":
                 out = result
         state["step"] += 1
@@ -330,11 +321,11 @@ def paired_run(llm: LLM, alternatives: dict[str, Any], run: Any) -> tuple[dict, 
             times["ratios"][name].append(step["own"] / step[name])
         return out
 
-    runner.model.forward, runner._lora_segments = paired_forward, all_tables
+    runner.set_forward_hook(paired_forward)  # the runner's hook: nothing on it is replaced
     try:
         result = run()
     finally:
-        runner.model.forward, runner._lora_segments = forward, build
+        runner.set_forward_hook(None)
     return result, times
 
 

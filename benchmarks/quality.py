@@ -27,12 +27,10 @@ import inspect
 import json
 import math
 import platform
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # name -> LLM keyword arguments; "fp32" is the reference.
 CONFIGS: dict[str, dict] = {

@@ -41,7 +41,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # name -> LLM keyword arguments; "fp32" is the reference of the quality table.
 CONFIGS: dict[str, dict] = {

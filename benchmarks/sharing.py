@@ -17,11 +17,8 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedserve import LLM, BeamSearchParams, SamplingParams  # noqa: E402
 from pagedserve.bench.workloads import synthetic  # noqa: E402

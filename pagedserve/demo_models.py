@@ -65,6 +65,7 @@ __all__ = [
     "get_model_path",
     "get_tokenizer_path",
     "default_cache_dir",
+    "truncated_copy",
     "SPECIAL_TOKENS",
     "CHAT_TEMPLATE",
 ]
@@ -382,6 +383,25 @@ def _file_lock(path: pathlib.Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def truncated_copy(source: pathlib.Path, num_layers: int) -> pathlib.Path:
+    """A draft model (speculative decoding tests and benchmark): `source` with only its first
+    `num_layers` decoder layers, same tokenizer; built once under the demo-model cache."""
+    target = default_cache_dir() / "models" / f"{source.name}-first{num_layers}"
+    return _build_once(target, lambda tmp: _truncate(source, num_layers, tmp))
+
+
+def _truncate(source: pathlib.Path, num_layers: int, out: pathlib.Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype="float32")
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(source)).save_pretrained(out)
 
 
 def _build_once(target: pathlib.Path, build: Callable[[pathlib.Path], None]) -> pathlib.Path:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pathlib
 
-from pagedserve.demo_models import _build_once, default_cache_dir
+from pagedserve.demo_models import _build_once, default_cache_dir, truncated_copy
+
+__all__ = ["noisy_copy", "smollm2_path", "truncated_copy"]
 
 
 def smollm2_path() -> pathlib.Path | None:
@@ -18,24 +20,6 @@ def smollm2_path() -> pathlib.Path | None:
     from real_model import smollm2_hf_folder
 
     return smollm2_hf_folder()
-
-
-def truncated_copy(source: pathlib.Path, num_layers: int) -> pathlib.Path:
-    """A draft model: `source` with only its first `num_layers` decoder layers (same tokenizer)."""
-    target = default_cache_dir() / "models" / f"{source.name}-first{num_layers}"
-    return _build_once(target, lambda tmp: _truncate(source, num_layers, tmp))
-
-
-def _truncate(source: pathlib.Path, num_layers: int, out: pathlib.Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype="float32")
-    model.model.layers = model.model.layers[:num_layers]
-    model.config.num_hidden_layers = num_layers
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[:num_layers]
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(str(source)).save_pretrained(out)
 
 
 def noisy_copy(source: pathlib.Path, relative_noise: float, seed: int = 0) -> pathlib.Path:

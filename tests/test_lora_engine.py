@@ -148,13 +148,13 @@ def test_a_step_puts_each_adapters_requests_side_by_side(base, adapters, prompts
     orders its requests by adapter (base model first), arrival order kept within one."""
     llm = LLM(base, max_model_len=256, kv_cache_memory_bytes=32 << 20, enable_lora=True, max_loras=4)
     runner = llm.llm_engine.runner
-    build, steps = runner._lora_segments, []
+    steps = []
 
-    def recording(sched):
+    def recording(sched, forward):
         steps.append([(item.request.lora_id, item.request.arrival_time) for item in sched.scheduled])
-        return build(sched)
+        return forward(runner.lora_segments(sched))
 
-    runner._lora_segments = recording
+    runner.set_forward_hook(recording)
     loras = [adapters[0], adapters[1], None, adapters[0], adapters[1], adapters[0]]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[: len(loras)]], greedy(), use_tqdm=False,
                            lora_request=loras)

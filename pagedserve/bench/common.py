@@ -80,7 +80,10 @@ def make_engine(spec: EngineSpec) -> Any:
         kwargs["quantization"] = spec.quantization
     if spec.max_loras:
         kwargs.update(enable_lora=True, max_loras=spec.max_loras, max_lora_rank=spec.max_lora_rank)
-    return LLMEngine(EngineArgs(model=spec.model, **kwargs).create_engine_config())
+    from pagedserve.bench.sim import SimClock
+
+    # The simulated-time driver (bench/sim.py) moves this clock; nothing else does.
+    return LLMEngine(EngineArgs(model=spec.model, **kwargs).create_engine_config(), clock=SimClock())
 
 
 def llm_accepts(name: str) -> bool:
@@ -136,13 +139,15 @@ def torch_threads(num_threads: int | None) -> Iterator[None]:
 
 
 def warm_up(engine: Any) -> None:
-    """One short request, so first-call costs (allocations, kernel selection) stay out of timings."""
-    from pagedserve.sampling_params import SamplingParams
+    """One short request, so first-call costs (allocations, kernel selection) stay out of timings.
 
-    engine.add_request("warmup", {"prompt_token_ids": [11, 12, 13, 14]},
-                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+    Driven like a trace (`run_simulated`): the engine's clock is simulated, so a batching
+    baseline's window only passes, and its queue only closes, when the driver says so.
+    """
+    from pagedserve.bench.sim import run_simulated
+    from pagedserve.bench.workloads import WorkloadRequest
+
+    run_simulated(engine, [WorkloadRequest([11, 12, 13, 14], 4)], [0.0], id_prefix="warmup-")
 
 
 def progress(total: int, desc: str, enabled: bool, leave: bool = False) -> Any:

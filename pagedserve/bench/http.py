@@ -1,38 +1,20 @@
 """`pagedserve bench serve --base-url URL`: the same trace against a live server over HTTP.
 
-Wraps the load generator in benchmarks/serve.py (streamed /v1/completions, Poisson or gamma
-arrivals, TTFT / TPOT / ITL / E2E per request), which ships with the source tree rather than
-the package: this needs a checkout.
+Wraps the load generator of `pagedserve.bench.loadgen` (streamed /v1/completions, Poisson or
+gamma arrivals, TTFT / TPOT / ITL / E2E per request).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from pagedserve.bench.common import md_table, parse_list, write_outputs
 
 
-def load_serve_module() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "serve.py"
-    if not path.exists():
-        raise ValueError(f"bench serve --base-url needs benchmarks/serve.py from a source checkout ({path})")
-    spec = importlib.util.spec_from_file_location("pagedserve_benchmarks_serve", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses look their module up in sys.modules while the module executes.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def serve_argv(args: argparse.Namespace, rates: list[float]) -> list[str]:
-    """benchmarks/serve.py flags for this run (synthetic lengths follow --workload)."""
+    """`pagedserve.bench.loadgen` flags for this run (synthetic lengths follow --workload)."""
     from pagedserve.bench.online import synthetic_means
 
     argv = ["--base-url", args.base_url, "--num-prompts", str(args.num_requests), "--seed", str(args.seed),
@@ -51,9 +33,10 @@ def run_http(args: argparse.Namespace) -> int:
     if args.rates == "auto":
         raise ValueError("bench serve --base-url needs explicit --rates (e.g. 1,2,4,inf)")
     rates = parse_list(args.rates, float)
-    serve = load_serve_module()
-    serve_args = serve.build_parser().parse_args(serve_argv(args, rates))
-    report = asyncio.run(serve.run_from_args(serve_args))
+    from pagedserve.bench import loadgen  # httpx: the [bench] extra
+
+    serve_args = loadgen.build_parser().parse_args(serve_argv(args, rates))
+    report = asyncio.run(loadgen.run_from_args(serve_args))
     name = args.name or f"http_{args.workload}"
     rows = []
     for run in report["runs"]:

@@ -5,7 +5,7 @@ By default the engine runs in-process on a simulated clock (see `bench/sim.py`) 
 by a step-time model fitted to the engine's measured steps (`bench/clock.py`; --clock
 measured uses each step's wall time instead): each point costs the engine's busy time only. With --base-url
 the same trace is sent over HTTP to a live OpenAI-compatible server instead, through the
-load generator in benchmarks/serve.py.
+load generator in pagedserve/bench/loadgen.py.
 
 --rates auto first runs the first configuration with every request queued at once; its
 request throughput is the capacity C, and the rates are C x --rate-fractions. So the x axis

@@ -17,9 +17,13 @@ the machine does not leak into the latencies).
 Latencies are what a server running these steps back to back would show (requests queue
 while earlier steps run, as online), but a run costs only the engine's busy time: idle gaps
 between arrivals are skipped. Left out is what a real server adds on top: HTTP,
-detokenization, streaming (`bench serve --base-url` measures those on a live server). Batch
-schedulers get `now` as their clock, so windows are in simulated time; once the trace has
-no arrivals left, their queue is closed.
+detokenization, streaming (`bench serve --base-url` measures those on a live server).
+
+`now` is a `SimClock` the engine was built with (`LLMEngine(config, clock=SimClock())`, as
+`bench/common.make_engine` does): arrival, scheduling and finish times, and the batching
+baselines' windows, are all in simulated time. Each step's plan is read from
+`engine.last_scheduler_output`; nothing on the engine is replaced. Once the trace has no
+arrivals left, a batch scheduler's queue is closed.
 """
 
 from __future__ import annotations
@@ -82,22 +86,14 @@ class SimRun:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class _StepRecorder:
-    """Wraps the scheduler's schedule() (on the instance only) to see each step's plan."""
+class SimClock:
+    """The simulated clock: `now` seconds, moved only by the driver (`run_simulated`)."""
 
-    def __init__(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
-        self.last: Any = None
-        original = scheduler.schedule
+    def __init__(self) -> None:
+        self.now = 0.0
 
-        def schedule() -> Any:
-            self.last = original()
-            return self.last
-
-        scheduler.schedule = schedule
-
-    def close(self) -> None:
-        del self.scheduler.schedule
+    def __call__(self) -> float:
+        return self.now
 
 
 def run_simulated(
@@ -118,23 +114,20 @@ def run_simulated(
     cost model, `bench/clock.py`); the measured times are still kept in `run.steps`.
     `lora_requests[i]` is request i's adapter (None: the base model).
     """
+    if not isinstance(engine.clock, SimClock):
+        raise ValueError("run_simulated needs an engine built with clock=SimClock() "
+                         "(bench.common.make_engine builds one)")
+    if engine.has_unfinished_requests():
+        raise ValueError("run_simulated needs an idle engine (its clock restarts at 0)")
     records = [RequestRecord(len(r.prompt_token_ids), arrivals[i]) for i, r in enumerate(requests)]
     run = SimRun(records, memory=MemoryBreakdown() if sample_memory else None)
     sim = _Simulation(engine, requests, arrivals, run, id_prefix, on_finish, step_time)
     sim.lora_requests = lora_requests
     sched = engine.scheduler
-    batch_policy = hasattr(sched, "close_queue")
-    if batch_policy:
-        sched.clock = lambda: sim.now
-        sched.queue_closed = False
+    if hasattr(sched, "close_queue"):
+        sched.queue_closed = False  # a batch scheduler reused for another trace
     preemptions_before = sched.num_preemptions_total
-    recorder = _StepRecorder(sched)
-    try:
-        sim.drive(recorder)
-    finally:
-        recorder.close()
-        if batch_policy:
-            sched.clock = time.monotonic
+    sim.drive()
     run.makespan_s = sim.now - (min(arrivals) if arrivals else 0.0)
     run.num_preemptions = sched.num_preemptions_total - preemptions_before
     return run
@@ -146,7 +139,16 @@ class _Simulation:
         self.id_prefix, self.on_finish, self.step_time = id_prefix, on_finish, step_time
         self.pending = deque(sorted(range(len(requests)), key=lambda i: arrivals[i]))
         self.lora_requests: list[Any] | None = None
-        self.now = 0.0
+        self.clock: SimClock = engine.clock
+        self.clock.now = 0.0
+
+    @property
+    def now(self) -> float:
+        return self.clock.now
+
+    @now.setter
+    def now(self, value: float) -> None:
+        self.clock.now = value
 
     def _admit_arrivals(self) -> None:
         engine, pending = self.engine, self.pending
@@ -159,7 +161,7 @@ class _Simulation:
         if not pending and hasattr(engine.scheduler, "close_queue"):
             engine.scheduler.close_queue()
 
-    def drive(self, recorder: _StepRecorder) -> None:
+    def drive(self) -> None:
         engine, stalled = self.engine, 0.0
         while self.pending or engine.has_unfinished_requests():
             self._admit_arrivals()
@@ -169,7 +171,7 @@ class _Simulation:
             start = time.perf_counter()
             outputs = engine.step()
             elapsed = time.perf_counter() - start
-            out = recorder.last
+            out = engine.last_scheduler_output
             if out.is_empty and not out.preempted_ids:
                 event = _next_event(engine.scheduler, self.arrivals, self.pending)
                 if event is None:

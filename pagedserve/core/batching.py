@@ -130,6 +130,7 @@ def build_batch_scheduler(
     window_s: float,
     preemption: PreemptionPolicy | None = None,
     lora: AdapterResidency | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Scheduler:
     """The scheduler for `SchedulerConfig.batching` == kind ("static" or "dynamic")."""
-    return BatchScheduler(limits, kv, kind, window_s, preemption=preemption, lora=lora)
+    return BatchScheduler(limits, kv, kind, window_s, clock=clock, preemption=preemption, lora=lora)

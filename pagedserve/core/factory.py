@@ -7,6 +7,8 @@ of manager implement `core.protocols.KVManager`, the scheduler's only view of th
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pagedserve.config import CacheConfig, SchedulerConfig
@@ -41,7 +43,9 @@ def build_scheduler(
     kv: KVManager,
     preemption: PreemptionPolicy | None = None,
     lora: AdapterResidency | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Scheduler:
+    """`clock`: what the batching baselines measure their windows on (the engine's clock)."""
     limits = SchedulerLimits(
         config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, config.scheduling_policy
     )
@@ -50,5 +54,6 @@ def build_scheduler(
     if config.batching in BATCHING_POLICIES:
         from pagedserve.core.batching import build_batch_scheduler
 
-        return build_batch_scheduler(config.batching, limits, kv, config.batch_window_s, preemption, lora)
+        return build_batch_scheduler(config.batching, limits, kv, config.batch_window_s, preemption, lora,
+                                     clock=clock)
     raise ValueError(f"batching must be one of {', '.join(BATCHING_POLICIES)}; got {config.batching!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -14,6 +15,7 @@ from pagedserve.beam_search import BeamSearchParams
 from pagedserve.config import EngineConfig
 from pagedserve.core.factory import build_kv_manager, build_scheduler
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.core.scheduler import PreemptionPolicy, SchedulerStats
 from pagedserve.dtypes import lora_dtype
 from pagedserve.engine import registry
@@ -65,6 +67,8 @@ class LLMEngine:
     """Args:
         config: the frozen engine configuration.
         faults: a fault injector (tests only; see engine/faults.py): per-request failure points.
+        clock: seconds for arrival / scheduling / finish times and the batching baselines'
+            windows; the benchmarks' simulated-time driver passes its own (bench/sim.py).
     """
 
     _created = itertools.count()
@@ -74,9 +78,15 @@ class LLMEngine:
         """vLLM's constructor: the engine an `EngineArgs` describes."""
         return cls(engine_args.create_engine_config())
 
-    def __init__(self, config: EngineConfig, faults: FaultInjector | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, faults: FaultInjector | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.faults = faults
+        self.clock = clock
+        # The plan of the latest step (read by the benchmarks' simulated-time driver).
+        self.last_scheduler_output: SchedulerOutput | None = None
         self.created_seq = next(LLMEngine._created)
         self.device = config.torch_device()
         torch.manual_seed(config.model.seed)
@@ -115,7 +125,8 @@ class LLMEngine:
             )
         # Built before the scheduler, which gets it (as its AdapterResidency) at construction.
         self.lora_manager = self._start_lora() if config.lora is not None else None
-        self.scheduler = build_scheduler(sched, self.kv_manager, self._preemption_policy(), self.lora_manager)
+        self.scheduler = build_scheduler(sched, self.kv_manager, self._preemption_policy(), self.lora_manager,
+                                         clock=clock)
         self.speculator = self._start_speculator()
         self.output_processor = OutputProcessor(self.tokenizer)
         so_config = config.structured_outputs
@@ -274,7 +285,7 @@ class LLMEngine:
         if params.num_samples > 1 and params.output_kind == "delta" and params.num_samples > params.n:
             raise ValueError("best_of > n cannot be streamed: the best samples are known only at the end")
         grammar = self._compile_grammar(params)
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        arrival = arrival_time if arrival_time is not None else self.clock()
         max_output = min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids))
 
         def make(rid: str, sample_params: SamplingParams, index: int, group: str | None) -> Request:
@@ -416,7 +427,7 @@ class LLMEngine:
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         if self.speculator is not None:
             self.speculator.release(self.scheduler.requests)
-        now = time.monotonic()
+        now = self.clock()
         for request_id in ids:
             self.output_processor.finish(request_id, now)
 
@@ -440,9 +451,9 @@ class LLMEngine:
         alone with finish_reason "error" (its blocks freed this step); only a failure of the
         step as a whole (the model forward) propagates."""
         t_start = time.perf_counter()
-        sched_out = self.scheduler.schedule()
+        sched_out = self.last_scheduler_output = self.scheduler.schedule()
         t_scheduled = time.perf_counter()
-        now = time.monotonic()
+        now = self.clock()
         for item in sched_out.scheduled:
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = now
@@ -470,7 +481,7 @@ class LLMEngine:
             if prompt_lp is not None:
                 self.output_processor.add_prompt_logprobs(item.request, prompt_lp)
         t_updated = time.perf_counter()
-        now = time.monotonic()
+        now = self.clock()
         outputs = []
         for request in updated:
             first_new = num_outputs_before.get(request.request_id, 0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 
 TokenLogprobs = tuple[list[int], list[float], list[int]]
+# (the step's schedule, forward(LoRA segments) -> hidden states) -> the hidden states to use.
+ForwardHook = Callable[[SchedulerOutput, Callable[[LoRASegments | None], torch.Tensor]], torch.Tensor]
 
 
 def _attention_backend(device: torch.device, kv_dtype: torch.dtype) -> AttentionBackend:
@@ -133,6 +136,7 @@ class ModelRunner:
         # lora_dtype None: LoRA off.
         self.lora_dtype = lora_dtype
         self.lora_layers = wrap_model_for_lora(self.model) if lora_dtype is not None else []
+        self._forward_hook: ForwardHook | None = None
 
     def kv_cache_spec(self) -> KVCacheSpec:
         first = self.attn_layers[0]
@@ -172,7 +176,15 @@ class ModelRunner:
         """Copies an adapter's weights into its run of KV blocks, in every layer."""
         write_adapter(adapter, layout, self.kv_caches, first_block, self.lora_dtype)
 
-    def _lora_segments(self, sched: SchedulerOutput) -> LoRASegments | None:
+    def set_forward_hook(self, hook: ForwardHook | None) -> None:
+        """Benchmarks and tests: `hook(sched, forward)` runs in place of each step's model
+        forward (None removes it). `forward(segments)` runs the model once on the step's
+        inputs with those LoRA segments (`lora_segments(sched)`: the step's own) and returns
+        its hidden states; the hook returns the hidden states the step goes on with."""
+        self._forward_hook = hook
+
+    def lora_segments(self, sched: SchedulerOutput) -> LoRASegments | None:
+        """The step's LoRA segment tables (one segment per adapter run), or None."""
         if not sched.lora_adapters:
             return None
         runs = [
@@ -197,10 +209,19 @@ class ModelRunner:
         start = time.perf_counter()
         input_ids, positions, common, logits_indices = self._prepare_inputs(sched)
         attn_metadata = self.backend.build_metadata(common)
-        lora_segments = self._lora_segments(sched)
-        prepared = time.perf_counter()
-        with lora_step(lora_segments):
-            hidden = self.model(input_ids, positions, attn_metadata)
+        if self._forward_hook is None:
+            lora_segments = self.lora_segments(sched)
+            prepared = time.perf_counter()
+            with lora_step(lora_segments):
+                hidden = self.model(input_ids, positions, attn_metadata)
+        else:
+            prepared = time.perf_counter()
+
+            def forward(segments: LoRASegments | None) -> torch.Tensor:
+                with lora_step(segments):
+                    return self.model(input_ids, positions, attn_metadata)
+
+            hidden = self._forward_hook(sched, forward)
         plan = plan_prompt_logprobs(sched, self.vocab_size)
         prompt_lp = compute_prompt_logprobs(plan, hidden, self.model.compute_logits) if plan else None
         pooled = self._pool(sched, hidden, logits_indices)
