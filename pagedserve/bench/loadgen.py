@@ -27,7 +27,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import httpx
+try:
+    import httpx
+except ImportError as exc:  # the [bench] extra
+    raise ImportError("the HTTP load generator needs httpx: pip install 'pagedserve[bench]'") from exc
 
 MAX_NUM_PROMPTS = 100_000
 # Synthetic ids come from this range: valid for any vocabulary of >= 1000 tokens and clear

@@ -11,7 +11,10 @@ _NAMES = {"token_states": "token states", "reserved": "reserved", "internal": "i
 
 
 def _pyplot() -> Any:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("the benchmark figures need matplotlib: pip install 'pagedserve[bench]'") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
