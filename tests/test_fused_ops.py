@@ -91,3 +91,15 @@ def test_choice_is_made_when_the_layer_is_built(monkeypatch) -> None:
     norm = RMSNorm(8)
     monkeypatch.setenv("PAGEDSERVE_FUSED_OPS", "fast")  # a bad value, read by nothing now
     assert torch.equal(norm(x), norm(x)) and norm.fused is not None
+
+
+def test_engine_holds_the_ops_before_its_first_request(model_path) -> None:
+    """The kernel is built / loaded while the engine is constructed (before a server reports
+    ready), never on the first request: every fusing layer already holds the ops."""
+    from pagedserve import LLM
+    from pagedserve.models.llama import LlamaAttention
+
+    llm = LLM(model_path("llama-gqa"), dtype="float32", max_model_len=64)
+    layers = [m for m in llm.llm_engine.runner.model.modules()
+              if isinstance(m, RMSNorm | SiluAndMul | LlamaAttention)]
+    assert layers and all(m.fused is not None for m in layers)
