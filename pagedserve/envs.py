@@ -1,7 +1,10 @@
 """Every environment variable pagedserve reads, in one place, with its type and default.
 
 Read lazily (each accessor reads `os.environ` when called), so tests can set a variable
-with `monkeypatch.setenv` after import.
+with `monkeypatch.setenv` after import. The kernel choices below are asked once, while an
+engine is built (the attention backend, each layer, each weight), never per call: changing
+one affects engines built afterwards. A choice forced to "cpp" whose kernel cannot be built
+fails the engine's construction (`cpp_build.KernelUnavailable`); unset, a fallback is logged.
 
     PAGEDSERVE_ATTENTION_BACKEND   "torch" | "cpp" | unset (auto: cpp on CPU when it builds)
     PAGEDSERVE_CPU_GEMM            "onednn" | "torch" | unset (auto: onednn when torch has it)
