@@ -148,11 +148,14 @@ def _step_times(llm: LLM, batch: int, constrained: int, steps: int) -> float:
     """Median engine.step() time once every request is decoding."""
     engine = llm.llm_engine
     free = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=1.0, seed=0)
-    # A fixed-length regex keeps a constrained request decoding as long as a free one.
-    regex = f"[a-z ]{{{steps + 8}}}"
+    # A regex far longer than the run (so never complete: EOS stays banned) keeps a
+    # constrained request decoding exactly as long as a free one, whatever the tokenizer packs
+    # into a token.
+    regex = "[a-z ]{3000}"
     for i in range(batch):
         params = free if i >= constrained else SamplingParams(
-            max_tokens=steps + 8, temperature=1.0, seed=i, structured_outputs=StructuredOutputsParams(regex=regex))
+            max_tokens=steps + 8, temperature=1.0, seed=i,
+            structured_outputs=StructuredOutputsParams(regex=regex))
         engine.add_request(None, {"prompt_token_ids": [5 + i, 6, 7, 8]}, params)
     # Grammars compile in a worker thread and a constrained request is not scheduled until its
     # grammar is ready, so early steps can be empty: time only once every request has a token.
@@ -162,8 +165,10 @@ def _step_times(llm: LLM, batch: int, constrained: int, steps: int) -> float:
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        engine.step()
+        outputs = engine.step()
         times.append(time.perf_counter() - t0)
+        # Every request must still be decoding, or the step times a smaller batch.
+        assert len(outputs) == batch and not any(o.finished for o in outputs), "a request ended early"
     while engine.has_unfinished_requests():
         engine.step()
     return statistics.median(times)
