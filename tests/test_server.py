@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.sampling_params import SamplingParams
 
 from server_fixtures import TEST_MODEL, LiveServer, live_server  # noqa: F401
@@ -391,6 +392,8 @@ class _FakeEngine:
     max_model_len = 64
     vocab_size = 100
     structured_outputs = None  # no grammar manager (no tokenizer)
+    # The real processor for a tokenizer-less model of this size (the handlers call it).
+    input_processor = InputProcessor(None, vocab_size, max_model_len, [])
 
     def __init__(self, step_fn=None) -> None:
         self.requests: dict[str, int] = {}

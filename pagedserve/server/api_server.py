@@ -196,10 +196,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     ctx = get_ctx(request)
     ctx.resolve_model(body.model)
     if isinstance(body, TokenizeChatRequest):
-        tokens = await render_chat(ctx, body)
+        _, tokens = await render_chat(ctx, body)
     else:
-        ctx.check_prompt_chars(len(body.prompt), "prompt")
-        tokens = await ctx.off_loop(ctx.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+        processor, text = ctx.processor, body.prompt
+        tokens = await ctx.process_off_loop(body, lambda: processor.encode(text, "prompt", body.add_special_tokens))
     return JSONResponse({"count": len(tokens), "max_model_len": ctx.engine.max_model_len, "tokens": tokens})
 
 
