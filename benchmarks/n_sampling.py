@@ -105,11 +105,13 @@ def main() -> int:
                 # A fresh prompt per round: no prefix-cache hit from an earlier round.
                 prompt = [rng.randrange(100, 1000) for _ in range(args.prompt_len)]
                 seed = 1000 * round_index
-                runs = [("engine", lambda: engine_native(http, prompt, seed, args.max_tokens)),
-                        ("fan-out", lambda: fan_out(http, pool, prompt, seed, args.max_tokens))]
+                order = ["engine", "fan-out"] if round_index % 2 == 0 else ["fan-out", "engine"]
                 samples = {}
-                for name, run in runs if round_index % 2 == 0 else runs[::-1]:
-                    elapsed, samples[name] = run()
+                for name in order:
+                    if name == "engine":
+                        elapsed, samples[name] = engine_native(http, prompt, seed, args.max_tokens)
+                    else:
+                        elapsed, samples[name] = fan_out(http, pool, prompt, seed, args.max_tokens)
                     times[name].append(elapsed)
                 assert samples["engine"] == samples["fan-out"], "the two paths sampled different tokens"
     finally:

@@ -112,7 +112,7 @@ class _Tracked:
 class _Add:
     """Queue these requests as one group, all or none; `done` reports the outcome."""
 
-    requests: list[tuple[str, PromptInput, SamplingParams]]
+    requests: list[tuple[str, PromptInput | EngineInput, SamplingParams | None]]
     group: RequestGroup
     arrival_time: float
     done: concurrent.futures.Future[None]
