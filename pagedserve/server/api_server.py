@@ -4,9 +4,10 @@
     /health /ping /load /metrics /tokenize /detokenize /version
     /  /v1/stats                                       (the playground, server/playground.py)
 
-Life of a request: pydantic parses the body (errors -> 400), the handler checks the model
-and the context length, fans out n / best_of / several prompts into engine requests added
-as one group, then streams SSE chunks or collects the group while polling for a client
+Life of a request: pydantic parses the body (errors -> 400), the handler checks the model,
+the input processor (engine/input_processor.py, in the tokenize worker) tokenizes and
+validates each prompt into one engine request carrying the call's n / best_of, added as one
+group; then the handler streams SSE chunks or collects the group while polling for a client
 disconnect. Leaving early (disconnect, error, shutdown) aborts the group's requests.
 """
 

@@ -196,7 +196,6 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -207,7 +206,6 @@ class ChoiceState:
         self.logprobs.extend(completion.logprobs or ())
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
-        self.cumulative_logprob = completion.cumulative_logprob or 0.0
         if completion.finish_reason is not None:
             self.finish_reason = completion.finish_reason
             self.stop_reason = completion.stop_reason
