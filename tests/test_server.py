@@ -391,6 +391,7 @@ class _FakeEngine:
     tokenizer = None
     max_model_len = 64
     vocab_size = 100
+    hidden_size = 16
     structured_outputs = None  # no grammar manager (no tokenizer)
     # The real processor for a tokenizer-less model of this size (the handlers call it).
     input_processor = InputProcessor(None, vocab_size, max_model_len, [])
