@@ -410,7 +410,7 @@ class _FakeEngine:
         )
         return EngineStats(sched, 0, 0, 0, 0)
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, lora_request=None) -> str:
+    def add_request(self, request_id, prompt, params, arrival_time=None, lora_request=None, priority=0) -> str:
         if prompt == "bad":
             raise ValueError("prompt is bad")
         self.requests[request_id] = 0
