@@ -58,6 +58,9 @@ class RequestOutput:
     lora_request: LoRARequest | None = None
     # A pooling request's embedding (LLM.embed, /v1/embeddings), once its prompt has run.
     pooled: list[float] | None = None
+    # A finished best_of > n group: tokens generated over all best_of samples, those not
+    # returned included (what the call costs; the server bills it). None elsewhere.
+    num_generated_tokens: int | None = None
 
 
 @dataclass

@@ -174,11 +174,12 @@ class SamplingParams:
             raise bad("best_of", f"an integer >= n ({self.n})", self.best_of)
         if not 0.0 <= self.temperature:
             raise bad("temperature", ">= 0", self.temperature)
-        if self.num_samples > 1 and self.greedy:
-            # Every greedy sample would be the same sequence.
+        if self.num_samples > self.n and self.greedy:
+            # Every greedy sample is the same sequence: there is nothing to rank. (n > 1 greedy
+            # samples are allowed, as OpenAI allows them: n copies of the greedy answer.)
             raise ValueError(
-                f"n and best_of must be 1 with greedy sampling (temperature=0), got n={self.n}, "
-                f"best_of={self.best_of}; set temperature > 0 or use beam search."
+                f"best_of must be n ({self.n}) with greedy sampling (temperature=0), got {self.best_of}; "
+                f"set temperature > 0 or use beam search."
             )
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]", self.top_p)

@@ -157,8 +157,9 @@ def test_failing_request_is_an_error_for_it_alone_over_http(model_path) -> None:
     from pagedserve.server.metrics import ServerMetrics
     from pagedserve.server.serving_common import ServerContext
 
-    # The async engine names its requests req-<call>-<choice>, counting calls from 0.
-    faults = FailRequests("detokenize", ["req-1-0", "req-2-1"])
+    # The async engine names its requests req-<call>-<prompt>, counting calls from 0; sample i
+    # of an n > 1 request is <request>#i.
+    faults = FailRequests("detokenize", ["req-1-0", "req-2-0#1"])
     metrics = ServerMetrics(TEST_MODEL)
     engine = AsyncLLMEngine(_engine(model_path, faults), metrics)
     app = build_app(ServerContext(engine, [TEST_MODEL], model_path(TEST_MODEL), metrics))
@@ -222,7 +223,7 @@ def test_long_prompt_refused_before_tokenizing(server: LiveServer) -> None:
         resp = _post(server, path, {"model": TEST_MODEL, **body})
         _assert_names(resp, param)
         assert f"has {len(HUGE)} characters" in resp.json()["error"]["message"]
-    limit = server.ctx.prompt_char_limit
+    limit = server.ctx.processor.char_limit
     long_ok = "a" * (limit // 4)
     assert _post(server, "/tokenize", {"prompt": long_ok}).status_code == 200
     assert any(t.name.startswith("pagedserve-tokenize") for t in threading.enumerate())

@@ -79,11 +79,16 @@ def test_abort_of_a_group_frees_every_sample(llm, prompts):
     assert not engine.has_unfinished_requests()
 
 
-def test_greedy_with_several_samples_is_rejected():
-    with pytest.raises(ValueError, match="n and best_of must be 1 with greedy"):
-        SamplingParams(n=2, temperature=0.0)
+def test_greedy_best_of_is_rejected_and_greedy_n_gives_copies(llm, prompts):
+    with pytest.raises(ValueError, match="best_of must be n .* with greedy"):
+        SamplingParams(n=1, best_of=2, temperature=0.0)
     with pytest.raises(ValueError, match="best_of"):
         SamplingParams(n=3, best_of=2, temperature=1.0)
+    # n greedy samples (OpenAI accepts n > 1 at temperature 0): n copies of the greedy answer.
+    (out,) = llm.generate([prompts[1]], SamplingParams(n=3, temperature=0, max_tokens=8), use_tqdm=False)
+    (alone,) = llm.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(c.token_ids == alone.outputs[0].token_ids for c in out.outputs)
 
 
 def test_samples_survive_preemption(model_path, prompts):

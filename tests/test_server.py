@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.sampling_params import SamplingParams
 
 from server_fixtures import TEST_MODEL, LiveServer, live_server  # noqa: F401
@@ -390,7 +391,10 @@ class _FakeEngine:
     tokenizer = None
     max_model_len = 64
     vocab_size = 100
+    hidden_size = 16
     structured_outputs = None  # no grammar manager (no tokenizer)
+    # The real processor for a tokenizer-less model of this size (the handlers call it).
+    input_processor = InputProcessor(None, vocab_size, max_model_len, [])
 
     def __init__(self, step_fn=None) -> None:
         self.requests: dict[str, int] = {}
@@ -406,7 +410,7 @@ class _FakeEngine:
         )
         return EngineStats(sched, 0, 0, 0, 0)
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, lora_request=None) -> str:
+    def add_request(self, request_id, prompt, params, arrival_time=None, lora_request=None, priority=0) -> str:
         if prompt == "bad":
             raise ValueError("prompt is bad")
         self.requests[request_id] = 0

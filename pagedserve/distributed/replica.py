@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestGroup
+from pagedserve.engine.input_processor import EngineInput
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from pagedserve.engine_args import EngineArgs
 from pagedserve.lora.request import LoRARequest
@@ -55,6 +56,8 @@ class EngineReplica:
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.vocab_size,
             "hidden_size": self.engine.hidden_size,
+            "eos_token_ids": self.engine.input_processor.eos_token_ids,
+            "sampling_defaults": self.engine.input_processor.sampling_defaults,
             "pid": os.getpid(),
             "replica": self.replica_index,
         }
@@ -67,7 +70,7 @@ class EngineReplica:
     async def generate(
         self,
         group_id: str,
-        requests: list[tuple[PromptInput, SamplingParams]],
+        requests: list[tuple[PromptInput | EngineInput, SamplingParams | None]],
         lora_request: LoRARequest | None = None,
         priority: int = 0,
     ) -> AsyncIterator[tuple[str, Any]]:

@@ -30,6 +30,7 @@ from pagedserve.distributed.metrics import ReplicaMetrics
 from pagedserve.distributed.replica import EngineReplica
 from pagedserve.distributed.router import ReplicaRouter, RouterConfig
 from pagedserve.engine.async_engine import EngineDeadError, EngineObserver, RequestGroup
+from pagedserve.engine.input_processor import EngineInput, InputProcessor
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from pagedserve.engine_args import EngineArgs
 from pagedserve.lora.request import LoRARequest
@@ -49,14 +50,15 @@ class _Flight:
     """The ingress's bookkeeping of one group routed to a replica."""
 
     group: RequestGroup
-    requests: list[tuple[PromptInput, SamplingParams]]
+    requests: list[tuple[PromptInput | EngineInput, SamplingParams | None]]
     lora_request: LoRARequest | None
     prompt_token_ids: list[int] | None
     arrival_time: float
     priority: int = 0
     replica: int = -1
     streamed: bool = False
-    last_token_time: dict[int, float] = field(default_factory=dict)
+    # Per (request, sample) of the group: each sample of an n > 1 request has its own times.
+    last_token_time: dict[tuple[int, int], float] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
 
 
@@ -105,6 +107,11 @@ class ReplicaSetEngine:
         self.vocab_size: int = info["vocab_size"]
         self.hidden_size: int = info.get("hidden_size", 0)
         self.tokenizer = self._load_tokenizer(replica_args)
+        # The handlers process inputs here, on the ingress; replicas get them processed.
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.vocab_size, self.max_model_len, info["eos_token_ids"],
+            info["sampling_defaults"], replica_args.scheduling_policy, info.get("hidden_size"),
+        )
         config = router_config or RouterConfig(block_size=engine_args.block_size)
         self.router = ReplicaRouter(num_replicas, config, seed=seed)
         self.metrics = ReplicaMetrics(num_replicas, getattr(self.observer, "registry", None))
@@ -162,7 +169,7 @@ class ReplicaSetEngine:
 
     async def add_requests(
         self,
-        requests: list[tuple[PromptInput, SamplingParams]],
+        requests: list[tuple[PromptInput | EngineInput, SamplingParams | None]],
         arrival_time: float | None = None,
         group_id: str | None = None,
         lora_request: LoRARequest | None = None,
@@ -187,7 +194,9 @@ class ReplicaSetEngine:
         flight.task = asyncio.ensure_future(self._pump(group_id, flight, stream))
         return flight.group
 
-    def _prompt_token_ids(self, prompt: PromptInput) -> list[int] | None:
+    def _prompt_token_ids(self, prompt: PromptInput | EngineInput) -> list[int] | None:
+        if isinstance(prompt, EngineInput):
+            return prompt.prompt_token_ids
         if isinstance(prompt, list):
             return prompt
         if isinstance(prompt, dict):
@@ -263,14 +272,14 @@ class ReplicaSetEngine:
         now = time.monotonic()
         for index, output in batch:
             flight.streamed = True
-            completion = output.outputs[0]
-            last = flight.last_token_time.get(index)
-            if last is None:
+            if not any(key[0] == index for key in flight.last_token_time):
                 self.observer.on_first_token(now - flight.arrival_time, len(output.prompt_token_ids))
-            self.observer.on_tokens(None if last is None else now - last, len(completion.token_ids))
-            flight.last_token_time[index] = now
+            for completion in output.outputs:
+                last = flight.last_token_time.get((index, completion.index))
+                self.observer.on_tokens(None if last is None else now - last, len(completion.token_ids))
+                flight.last_token_time[index, completion.index] = now
             if output.finished:
-                self.observer.on_finished(now - flight.arrival_time, completion.finish_reason or "stop")
+                self.observer.on_finished(now - flight.arrival_time, output.outputs[0].finish_reason or "stop")
                 if output.metrics is not None:  # the replica's own clock: only differences are used
                     self.observer.on_request_metrics(output.metrics)
             flight.group.put((index, output))

@@ -24,10 +24,11 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.engine import registry
+from pagedserve.engine.input_processor import EngineInput
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -100,7 +101,8 @@ class _Tracked:
     group: RequestGroup
     index: int
     arrival_time: float
-    last_token_time: float | None = None
+    # Per sample (CompletionOutput.index) of an n > 1 request: each has its own token times.
+    last_token_time: dict[int, float] = field(default_factory=dict)
 
 
 # ---- the engine thread's commands: one small dataclass each, drained between steps ----------
@@ -110,7 +112,7 @@ class _Tracked:
 class _Add:
     """Queue these requests as one group, all or none; `done` reports the outcome."""
 
-    requests: list[tuple[str, PromptInput, SamplingParams]]
+    requests: list[tuple[str, PromptInput | EngineInput, SamplingParams | None]]
     group: RequestGroup
     arrival_time: float
     done: concurrent.futures.Future[None]
@@ -160,6 +162,8 @@ class AsyncLLMEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.hidden_size = engine.hidden_size
+        # Stateless but for the tokenizer: handlers process their inputs with it, off this thread.
+        self.input_processor = engine.input_processor
         # Thread-safe: handlers compile grammars through it before queueing (cache shared).
         self.structured_outputs = engine.structured_outputs
         self.observer = observer or EngineObserver()
@@ -212,13 +216,14 @@ class AsyncLLMEngine:
 
     async def add_requests(
         self,
-        requests: list[tuple[PromptInput, SamplingParams]],
+        requests: list[tuple[PromptInput | EngineInput, SamplingParams | None]],
         arrival_time: float | None = None,
         group_id: str | None = None,
         lora_request: Any = None,
         priority: int = 0,
     ) -> RequestGroup:
-        """Queues the requests as one group, all or none.
+        """Queues the requests as one group, all or none (an `EngineInput` comes processed,
+        with its own parameters: pass None as its SamplingParams).
 
         Raises:
             ValueError: a request failed the engine's validation (none of them was kept).
@@ -361,16 +366,15 @@ class AsyncLLMEngine:
         tracked = self._tracked.get(output.request_id)
         if tracked is None:
             return None
-        completion = output.outputs[0]
-        if tracked.last_token_time is None:
+        if not tracked.last_token_time:
             self.observer.on_first_token(now - tracked.arrival_time, len(output.prompt_token_ids))
-            self.observer.on_tokens(None, len(completion.token_ids))
-        else:
-            self.observer.on_tokens(now - tracked.last_token_time, len(completion.token_ids))
-        tracked.last_token_time = now
+        for completion in output.outputs:
+            last = tracked.last_token_time.get(completion.index)
+            self.observer.on_tokens(None if last is None else now - last, len(completion.token_ids))
+            tracked.last_token_time[completion.index] = now
         if output.finished:
             del self._tracked[output.request_id]
-            self.observer.on_finished(now - tracked.arrival_time, completion.finish_reason or "stop")
+            self.observer.on_finished(now - tracked.arrival_time, output.outputs[0].finish_reason or "stop")
             if output.metrics is not None:
                 self.observer.on_request_metrics(output.metrics)
         return tracked.group, (tracked.index, output)

@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from pagedserve.dtypes import lora_dtype
 from pagedserve.engine import registry
 from pagedserve.engine.beam_search import BeamSearchDriver
 from pagedserve.engine.faults import FaultInjector
+from pagedserve.engine.input_processor import EngineInput, InputProcessor, PromptInput
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from pagedserve.engine.step_timings import StepHook, StepTimings, attention_work
@@ -40,8 +41,6 @@ from pagedserve.worker.kv_cache import default_kv_cache_bytes, kv_cache_bytes_fo
 from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-PromptInput = str | list[int] | dict[str, Any]
 
 
 @dataclass(slots=True)
@@ -129,6 +128,10 @@ class LLMEngine:
                                          clock=clock)
         self.speculator = self._start_speculator()
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
+            self.source.sampling_defaults, sched.scheduling_policy, self.hidden_size,
+        )
         so_config = config.structured_outputs
         self.structured_outputs = None if self.tokenizer is None else StructuredOutputManager(
             so_config.resolved_backend, self.tokenizer, self.vocab_size, self.eos_token_id,
@@ -246,57 +249,38 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str | None,
-        prompt: PromptInput,
+        prompt: PromptInput | EngineInput,
         params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
     ) -> str:
-        """Validates and queues a request; raises ValueError naming the bad field.
+        """Queues a request; raises ValueError naming the bad field.
 
-        `lora_request` selects an adapter (registered here, loaded from disk on demand).
-        `priority`: lower runs first under scheduling_policy="priority" (must be 0 otherwise).
+        `prompt` is raw (processed here by the input processor) or an `EngineInput` the
+        caller processed already, off this thread (the server); `params` and `priority` are
+        then the input's own. `lora_request` selects an adapter (registered here, loaded from
+        disk on demand). `priority`: lower runs first under scheduling_policy="priority".
         """
-        pooling = None
-        if isinstance(params, PoolingParams):
-            # An embedding: the prompt runs, one (discarded) token ends it, the runner pools.
-            pooling = params
-            pooling.validate(self.hidden_size)
-            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True,
-                                    truncate_prompt_tokens=pooling.truncate_prompt_tokens)
-        params = self._with_extra_eos(params or self.default_sampling_params())
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
-            raise ValueError("priority: request priorities need scheduling_policy='priority' "
-                             "(--scheduling-policy priority)")
+        inputs = prompt if isinstance(prompt, EngineInput) else self.input_processor.process(prompt, params, priority)
+        params = inputs.params
         lora_id = self._register_lora(lora_request)
-        prompt_text, token_ids = self._tokenize(prompt)
-        token_ids = self._truncate_prompt(token_ids, params.truncate_prompt_tokens)
-        bad_words = self._bad_words_token_ids(params.bad_words)
-        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError("cache_salt must be a string")
-        params.validate_vocab(self.vocab_size)
-        self._validate_prompt(token_ids, params)
         request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self._groups or request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if params.num_samples > 1 and params.output_kind == "delta" and params.num_samples > params.n:
-            raise ValueError("best_of > n cannot be streamed: the best samples are known only at the end")
         grammar = self._compile_grammar(params)
         arrival = arrival_time if arrival_time is not None else self.clock()
-        max_output = min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids))
 
         def make(rid: str, sample_params: SamplingParams, index: int, group: str | None) -> Request:
             return Request(
-                request_id=rid, prompt_token_ids=token_ids, sampling_params=sample_params,
-                eos_token_id=self.eos_token_id, prompt=prompt_text, cache_salt=cache_salt,
-                max_output_tokens=max_output, arrival_time=arrival, group_id=group, sample_index=index,
-                lora_id=lora_id, bad_words_token_ids=bad_words, priority=priority,
+                request_id=rid, prompt_token_ids=inputs.prompt_token_ids, sampling_params=sample_params,
+                eos_token_id=self.eos_token_id, prompt=inputs.prompt, cache_salt=inputs.cache_salt,
+                max_output_tokens=inputs.max_output_tokens, arrival_time=arrival, group_id=group,
+                sample_index=index, lora_id=lora_id, bad_words_token_ids=inputs.bad_words_token_ids,
+                priority=inputs.priority,
                 # Each sample follows the grammar with its own matcher.
                 grammar=RequestGrammar(grammar, self.eos_token_id) if grammar is not None else None,
-                pooling=pooling,
+                pooling=inputs.pooling,
             )
 
         if params.num_samples == 1:
@@ -312,37 +296,9 @@ class LLMEngine:
             self.output_processor.add_request(sample, lora_request)
         return request_id
 
-    def _truncate_prompt(self, token_ids: list[int], keep: int | None) -> list[int]:
-        """truncate_prompt_tokens: the last `keep` tokens (-1: all that leave room for one output)."""
-        if keep is None:
-            return token_ids
-        keep = self.max_model_len - 1 if keep == -1 else keep
-        return token_ids[-keep:]
-
-    def _bad_words_token_ids(self, words: list[str] | None) -> list[list[int]]:
-        """Each bad word's token ids, as written and with a leading space (vLLM's semantics)."""
-        if not words:
-            return []
-        if self.tokenizer is None:
-            raise ValueError("bad_words needs a tokenizer (skip_tokenizer_init=True was given)")
-        sequences: list[list[int]] = []
-        for word in words:
-            for variant in (word.strip(), " " + word.strip()):
-                ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        return sequences
-
     def default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults, overridden by the checkpoint's generation_config.json (if any)."""
-        return SamplingParams(**self.source.sampling_defaults)
-
-    def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:
-        stop_ids = params.stop_token_ids or []
-        extra = [t for t in self.eos_token_ids[1:] if t not in stop_ids]
-        if not extra or params.ignore_eos:
-            return params
-        return replace(params, stop_token_ids=[*stop_ids, *extra])
+        return self.input_processor.default_sampling_params()
 
     def _compile_grammar(self, params: SamplingParams) -> Any:
         """The request's compiled grammar (cached; the server compiled it already), or None.
@@ -356,33 +312,6 @@ class LLMEngine:
         if self.structured_outputs is None:
             raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init=False)")
         return self.structured_outputs.compile(spec)
-
-    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: text needs a tokenizer; pass prompt_token_ids (skip_tokenizer_init=True)")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list | tuple):
-            return None, list(prompt)
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-
-    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens, and the prompt has "
-                f"{len(token_ids)} tokens, leaving no room to generate (prompt too long)."
-            )
 
     def _register_lora(self, lora_request: LoRARequest | None) -> int:
         if lora_request is None:
@@ -401,11 +330,11 @@ class LLMEngine:
     ) -> str:
         """Queues a beam search; its result appears in `beam_search.results[request_id]`."""
         lora_id = self._register_lora(lora_request)
-        prompt_text, token_ids = self._tokenize(prompt)
+        prompt_text, token_ids = self.input_processor.tokenize(prompt)
+        self.input_processor.validate_prompt(token_ids)
         max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
         # Each beam reports its top 2 * width raw logprobs; the group picks its tokens.
         beam_params = SamplingParams(temperature=0, logprobs=2 * params.beam_width, max_tokens=max_tokens + 1, ignore_eos=True)
-        self._validate_prompt(token_ids, beam_params)
         request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self.beam_search.groups or request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -609,6 +538,7 @@ class LLMEngine:
     def set_tokenizer(self, tokenizer: Any) -> None:
         """Uses `tokenizer` for new requests' prompts and outputs (vLLM's LLM.set_tokenizer)."""
         self.tokenizer = tokenizer
+        self.input_processor.set_tokenizer(tokenizer)
         self.output_processor.set_tokenizer(tokenizer)
         self.beam_search.tokenizer = tokenizer
 

@@ -41,7 +41,11 @@ class SampleGroup:
             return self._wrap(output, [completion])
         if not self.finished:
             return None
-        return self._wrap(output, self._final_completions())
+        generated = sum(len(c.token_ids) for c in self.latest.values())
+        final = self._wrap(output, self._final_completions())
+        if len(self.latest) > self.params.n:
+            final.num_generated_tokens = generated
+        return final
 
     def _final_completions(self) -> list[CompletionOutput]:
         completions = [self.latest[i] for i in sorted(self.latest)]

@@ -11,7 +11,6 @@ from tqdm.auto import tqdm
 from pagedserve.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedserve.engine.llm_engine import LLMEngine, PromptInput
 from pagedserve.engine_args import EngineArgs
-from pagedserve.entrypoints.chat_utils import render_chat
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
@@ -163,14 +162,14 @@ class LLM:
         carry tool_calls and role "tool" messages their results. chat_template_kwargs: extra
         template variables.
         """
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None:
+        if self.get_tokenizer() is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was given)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        processor = self.llm_engine.input_processor
         prompts: list[PromptInput] = []
         for conversation in conversations:
-            text, token_ids = render_chat(
-                tokenizer, conversation, chat_template=chat_template, tools=tools,
+            text, token_ids = processor.render_chat(
+                conversation, chat_template=chat_template, tools=tools,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs, chat_template_content_format=chat_template_content_format,
             )

@@ -4,9 +4,10 @@
     /health /ping /load /metrics /tokenize /detokenize /version
     /  /v1/stats                                       (the playground, server/playground.py)
 
-Life of a request: pydantic parses the body (errors -> 400), the handler checks the model
-and the context length, fans out n / best_of / several prompts into engine requests added
-as one group, then streams SSE chunks or collects the group while polling for a client
+Life of a request: pydantic parses the body (errors -> 400), the handler checks the model,
+the input processor (engine/input_processor.py, in the tokenize worker) tokenizes and
+validates each prompt into one engine request carrying the call's n / best_of, added as one
+group; then the handler streams SSE chunks or collects the group while polling for a client
 disconnect. Leaving early (disconnect, error, shutdown) aborts the group's requests.
 """
 
@@ -196,10 +197,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     ctx = get_ctx(request)
     ctx.resolve_model(body.model)
     if isinstance(body, TokenizeChatRequest):
-        tokens = await render_chat(ctx, body)
+        _, tokens = await render_chat(ctx, body)
     else:
-        ctx.check_prompt_chars(len(body.prompt), "prompt")
-        tokens = await ctx.off_loop(ctx.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+        processor, text = ctx.processor, body.prompt
+        tokens = await ctx.process_off_loop(body, lambda: processor.encode(text, "prompt", body.add_special_tokens))
     return JSONResponse({"count": len(tokens), "max_model_len": ctx.engine.max_model_len, "tokens": tokens})
 
 

@@ -64,6 +64,9 @@ def bad_request(exc: ValueError, fields: set[str]) -> APIError:
     ("temperature must be >= 0, got -1"), so the field can be recovered from the text.
     """
     message = str(exc)
+    named = getattr(exc, "param", None)  # InputError, ChatTemplateError: the field is known
+    if named is not None:
+        return APIError(400, message, named, getattr(exc, "code", None))
     first = message.split(" ", 1)[0].rstrip(":,.")
     param = first if first in fields else None
     if first == "prompt_token_ids":

@@ -23,7 +23,7 @@ from pagedserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, Struc
 
 # OpenAI allows up to 20 top logprobs; the engine's sampler returns at most that many.
 MAX_LOGPROBS = 20
-# n and best_of fan out into independent engine requests; keep one HTTP call bounded.
+# n and best_of are sequences the engine runs at once for one prompt; keep one call bounded.
 MAX_SAMPLES = 128
 # Each stop string is searched for after every token; keep that bounded.
 MAX_STOP_STRINGS = 1024
@@ -176,10 +176,13 @@ class SamplingRequest(StrictRequest):
         defaults: dict[str, Any] | None = None,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """One engine request's parameters (n=1: the server fans out); raises ValueError.
+        """One engine request's parameters (n / best_of included: the engine samples them,
+        sharing the prompt's KV blocks); raises ValueError.
 
         `defaults` (the model's generation_config.json) fill the sampling fields the request
-        leaves out, before vLLM's own defaults.
+        leaves out, before vLLM's own defaults. Outputs come as deltas (one per sample and
+        step), except for best_of > n unstreamed: the engine ranks the samples at the end
+        and reports the best n once.
         """
         defaults = defaults or {}
 
@@ -188,7 +191,11 @@ class SamplingRequest(StrictRequest):
             return value if value is not None else defaults.get(name, fallback)
 
         constraint = self.output_constraint()
+        best_of: int | None = getattr(self, "best_of", None)  # /v1/completions only
+        ranked = best_of is not None and best_of > self.n and not self.stream
         return SamplingParams(
+            n=self.n,
+            best_of=best_of,
             temperature=pick("temperature", 1.0),
             top_p=pick("top_p", 1.0),
             top_k=pick("top_k", 0),
@@ -207,7 +214,7 @@ class SamplingRequest(StrictRequest):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=_logit_bias(self.logit_bias),
-            output_kind="delta",
+            output_kind="final_only" if ranked else "delta",
             structured_outputs=constraint[0] if constraint is not None else None,
         )
 

@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: render the chat template, fan out n samples, stream deltas."""
+"""POST /v1/chat/completions: render the chat template, one engine request of n samples, stream deltas."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from pagedserve.engine.async_engine import RequestGroup
-from pagedserve.entrypoints import chat_utils
 from pagedserve.outputs import CompletionOutput, Logprob
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import (
@@ -36,15 +35,14 @@ from pagedserve.server.protocol import (
 from pagedserve.server.serving_common import (
     MIN_LOGPROB,
     SSE_DONE,
-    ChoiceState,
+    Collected,
     ServerContext,
-    check_context_length,
     check_not_failed,
     collect,
     compile_constraint,
-    fan_out,
     json_logprob,
     make_params,
+    process,
     sse,
     sse_error,
     submit,
@@ -60,28 +58,21 @@ class TokenizeRequestLike(Protocol):
     chat_template_kwargs: dict[str, Any] | None
 
 
-async def render_chat(ctx: ServerContext, body: ChatCompletionRequest | TokenizeRequestLike) -> list[int]:
-    """Token ids of the templated conversation (the --chat-template override wins), rendered
-    and tokenized off the event loop, after refusing messages too long to fit."""
-    ctx.check_prompt_chars(sum(m.num_chars for m in body.messages or []), "messages")
-    return await ctx.off_loop(_render, ctx, body)
-
-
-def _render(ctx: ServerContext, body: ChatCompletionRequest | TokenizeRequestLike) -> list[int]:
+async def render_chat(ctx: ServerContext, body: ChatCompletionRequest | TokenizeRequestLike) -> tuple[str, list[int]]:
+    """(text, token ids) of the templated conversation (the --chat-template override wins),
+    rendered by the input processor in the tokenize worker, which first refuses messages
+    too long to fit; a template that cannot render them is a 400 naming the field."""
     given = getattr(body, "tools", None)  # /tokenize's chat shape has no tools
     tools = [t.model_dump() for t in given] if given else None
-    try:
-        _, token_ids = chat_utils.render_chat(
-            ctx.tokenizer, [m.as_template_input() for m in body.messages or []],
-            chat_template=ctx.chat_template, tools=tools, add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            chat_template_kwargs={**ctx.default_chat_template_kwargs, **(body.chat_template_kwargs or {})},
-            chat_template_content_format=ctx.chat_template_content_format,
-            require_tools=getattr(body, "tool_choice", None) != "none",
-        )
-    except chat_utils.ChatTemplateError as exc:
-        raise APIError(400, str(exc), exc.param) from None
-    return token_ids
+    messages = [m.as_template_input() for m in body.messages or []]
+    processor = ctx.processor
+    return await ctx.process_off_loop(body, lambda: processor.render_chat(  # type: ignore[arg-type]
+        messages, chat_template=ctx.chat_template, tools=tools, add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        chat_template_kwargs={**ctx.default_chat_template_kwargs, **(body.chat_template_kwargs or {})},
+        chat_template_content_format=ctx.chat_template_content_format,
+        require_tools=getattr(body, "tool_choice", None) != "none",
+    ))
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -89,7 +80,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     model = ctx.resolve_model(body.model)
     _check_fields(body)
     tools = ToolMode.for_request(ctx, body)
-    prompt_ids = await render_chat(ctx, body)
+    _, prompt_ids = await render_chat(ctx, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = make_params(body, max_tokens, logprobs, ctx.sampling_defaults)
@@ -101,10 +92,10 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
                            "tool_choice")
         params = dataclasses.replace(params, structured_outputs=tools.constraint)
         param = "tools"
-    check_context_length(ctx, len(prompt_ids), max_tokens, "messages")
     await compile_constraint(ctx, params, param)
-    prompt = {"prompt_token_ids": prompt_ids}
-    group = await submit(ctx, body, [(prompt, p) for p in fan_out(params, body.n)], arrival, ctx.lora_for(model))
+    prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids}
+    inputs = await process(ctx, body, [prompt], params, max_tokens, "messages")
+    group = await submit(ctx, body, inputs, arrival, ctx.lora_for(model))
     request_id = random_id("chatcmpl")
     if body.stream:
         return StreamingResponse(
@@ -112,8 +103,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
             media_type="text/event-stream",
             background=BackgroundTask(group.abort),
         )
-    states = await collect(group, raw_request)
-    return JSONResponse(_response(body, model, request_id, prompt_ids, states, tools).model_dump())
+    collected = await collect(group, raw_request, body.n)
+    return JSONResponse(_response(body, model, request_id, prompt_ids, collected, tools).model_dump())
 
 
 def _check_fields(body: ChatCompletionRequest) -> None:
@@ -156,11 +147,11 @@ def _usage(num_prompt_tokens: int, completion_tokens: int) -> Usage:
 
 
 def _response(
-    body: ChatCompletionRequest, model: str, request_id: str, prompt_ids: list[int], states: list[ChoiceState],
+    body: ChatCompletionRequest, model: str, request_id: str, prompt_ids: list[int], collected: Collected,
     tools: ToolMode,
 ) -> ChatCompletionResponse:
     choices = []
-    for index, state in enumerate(states):
+    for index, state in enumerate(collected.choices):
         content, calls = tools.extract(state.full_text)
         finish_reason = state.finish_reason
         if calls and finish_reason == "stop" and tools.choice != "named":
@@ -175,7 +166,7 @@ def _response(
             stop_reason=state.stop_reason,
             token_ids=state.token_ids if body.return_token_ids else None,
         ))
-    usage = _usage(len(prompt_ids), sum(len(s.token_ids) for s in states))
+    usage = _usage(len(prompt_ids), collected.num_generated_tokens)
     return ChatCompletionResponse(
         id=request_id, model=model, choices=choices, usage=usage,
         prompt_token_ids=prompt_ids if body.return_token_ids else None,
@@ -220,11 +211,13 @@ async def _stream(
         yield chunk([ChatChunkChoice(index=i, delta=ChatDeltaOut(role="assistant", content=""))
                      for i in range(body.n)])
         async with group:  # a client that disconnects cancels us here: its requests are aborted
-            async for index, output in group:
-                completion = output.outputs[0]
-                completion_tokens += len(completion.token_ids)
-                yield chunk([_chunk_choice(body, index, completion, streams[index])])
-                check_not_failed(output)
+            async for _, output in group:
+                # One engine request; each delta output is one sample's, its index the choice's.
+                for completion in output.outputs:
+                    completion_tokens += len(completion.token_ids)
+                    index = completion.index
+                    yield chunk([_chunk_choice(body, index, completion, streams[index])])
+                    check_not_failed(completion)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], _usage(num_prompt_tokens, completion_tokens))
     except Exception as exc:  # noqa: BLE001 - reported in-band: the 200 is already sent

@@ -1,10 +1,15 @@
-"""What the completion and chat handlers share: checks, submission, fan-out, collection, SSE."""
+"""What the completion and chat handlers share: input processing, submission, collection, SSE.
+
+One HTTP call is one engine request per prompt, with the call's n / best_of in its
+SamplingParams: the engine runs the samples on the prompt's shared KV blocks and tags each
+output with its sample (`CompletionOutput.index`). Choice index = prompt index * n + sample
+index (OpenAI's order: every choice of prompt 0, then of prompt 1).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,10 +19,11 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestGroup
-from pagedserve.engine.llm_engine import PromptInput
+from pagedserve.engine.input_processor import EngineInput, InputProcessor
 from pagedserve.lora.request import LoRARequest
-from pagedserve.outputs import Logprob, RequestOutput
-from pagedserve.sampling_params import SamplingParams, sample_seed
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.pooling_params import PoolingParams
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError, bad_request
 from pagedserve.server.lora_admin import LoRARegistry
 from pagedserve.server.metrics import ServerMetrics
@@ -28,9 +34,6 @@ SSE_DONE = "data: [DONE]\n\n"
 DISCONNECT_POLL_S = 0.2
 # What a client that hit --max-queue-len is told to wait before retrying (seconds).
 RETRY_AFTER_S = 1
-# A tokenizer normalizer may fold several characters into one before tokens are cut, so a
-# prompt is refused unseen only beyond this many times the longest token's length per token.
-NORMALIZER_SLACK = 2
 
 T = TypeVar("T")
 
@@ -57,7 +60,6 @@ class ServerContext:
     tokenize_pool: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenize")
     )
-    _prompt_char_limit: int | None = field(default=None, init=False, repr=False)
     # The model's generation_config.json sampling fields: what a request that omits them gets.
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # tool_choice "auto": parse the model's text into tool_calls with this parser.
@@ -76,6 +78,11 @@ class ServerContext:
         return self.loras.adapters.get(model)
 
     @property
+    def processor(self) -> InputProcessor:
+        """The engine's input processor; handlers call it in the tokenize worker (`off_loop`)."""
+        return self.engine.input_processor
+
+    @property
     def tokenizer(self) -> Any:
         if self.engine.tokenizer is None:
             raise APIError(400, "this server has no tokenizer; send prompts as token ids", "prompt")
@@ -86,53 +93,17 @@ class ServerContext:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenize_pool, lambda: fn(*args, **kwargs))
 
-    @property
-    def prompt_char_limit(self) -> int:
-        """Characters beyond which a text surely has more than max_model_len tokens.
-
-        No token covers more characters than its vocabulary entry has (a byte-level BPE
-        entry has one character per byte), so a text this long cannot fit in
-        max_model_len tokens; it is refused before tokenizing it.
-        """
-        if self._prompt_char_limit is None:
-            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
-            self._prompt_char_limit = self.engine.max_model_len * max(1, longest) * NORMALIZER_SLACK
-        return self._prompt_char_limit
-
-    def check_prompt_chars(self, num_chars: int, what: str) -> None:
-        """400 (vLLM's context-length wording) when `num_chars` proves the text is too long."""
-        limit = self.prompt_char_limit
-        if num_chars > limit:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {self.engine.max_model_len} tokens. However, the "
-                f"{what} has {num_chars} characters, more than that many tokens can hold ({limit}). "
-                f"Please reduce the length of the {what}.",
-                what,
-                "context_length_exceeded",
-            )
+    async def process_off_loop(self, body: BaseModel, fn: Callable[..., T], *args: Any) -> T:
+        """`off_loop` for input processing: an invalid input is a 400 naming its field."""
+        try:
+            return await self.off_loop(fn, *args)
+        except ValueError as exc:
+            raise bad_request(exc, set(type(body).model_fields)) from None
 
 
 class ClientDisconnected(APIError):
     def __init__(self) -> None:
         super().__init__(499, "client disconnected")
-
-
-def check_context_length(ctx: ServerContext, num_prompt_tokens: int, max_tokens: int | None, what: str) -> None:
-    """400 unless the prompt plus max_tokens fit the model's context (vLLM's wording)."""
-    limit = ctx.engine.max_model_len
-    requested = num_prompt_tokens + (max_tokens or 1)
-    if requested <= limit:
-        return
-    param = "max_tokens" if num_prompt_tokens < limit else what
-    raise APIError(
-        400,
-        f"This model's maximum context length is {limit} tokens. However, you requested {requested} "
-        f"tokens ({num_prompt_tokens} in the {what}, {max_tokens or 1} in the completion). "
-        f"Please reduce the length of the {what} or completion.",
-        param,
-        "context_length_exceeded",
-    )
 
 
 def make_params(
@@ -169,21 +140,36 @@ async def compile_constraint(ctx: ServerContext, params: SamplingParams, param: 
         raise APIError(400, f"{param}: {exc}", param) from None
 
 
-def fan_out(params: SamplingParams, num_samples: int) -> list[SamplingParams]:
-    """Independent samples of one prompt; sample i gets seed + i so they differ reproducibly."""
-    if params.seed is None:
-        return [dataclasses.replace(params) for _ in range(num_samples)]
-    return [dataclasses.replace(params, seed=sample_seed(params.seed, i)) for i in range(num_samples)]
+async def process(
+    ctx: ServerContext,
+    body: BaseModel,
+    prompts: list[dict[str, Any]],
+    params: SamplingParams | PoolingParams,
+    max_tokens: int | None,
+    what: str,
+) -> list[EngineInput]:
+    """The engine inputs of the call's tokenized prompts (`prompt_token_ids`, and `prompt`
+    if given as text), processed in the tokenize worker. The server also refuses a prompt
+    whose max_tokens do not fit (vLLM's server does; its offline LLM caps them)."""
+    processor = ctx.processor
+    priority = getattr(body, "priority", 0)  # vLLM's extra field (lower runs first)
+
+    def run() -> list[EngineInput]:
+        for prompt in prompts:
+            processor.check_context_length(len(prompt["prompt_token_ids"]), max_tokens, what)
+        return [processor.process(prompt, params, priority) for prompt in prompts]
+
+    return await ctx.process_off_loop(body, run)
 
 
 async def submit(
     ctx: ServerContext,
     body: BaseModel,
-    requests: list[tuple[PromptInput, SamplingParams]],
+    inputs: list[EngineInput],
     arrival: float,
     lora_request: LoRARequest | None = None,
 ) -> RequestGroup:
-    """Adds the requests to the engine as one group; validation errors become 400s."""
+    """Adds the processed requests to the engine as one group; its refusals become 400s."""
     engine = ctx.engine
     if ctx.max_queue_len is not None and engine.num_waiting >= ctx.max_queue_len:
         raise APIError(
@@ -192,8 +178,8 @@ async def submit(
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
     try:
-        return await engine.add_requests(requests, arrival_time=arrival, lora_request=lora_request,
-                                         priority=getattr(body, "priority", 0))
+        return await engine.add_requests([(item, None) for item in inputs], arrival_time=arrival,
+                                         lora_request=lora_request)
     except ValueError as exc:
         raise bad_request(exc, set(type(body).model_fields)) from None
     except EngineDeadError as exc:
@@ -202,27 +188,25 @@ async def submit(
 
 @dataclass
 class ChoiceState:
-    """One engine request's output, accumulated from its delta outputs."""
+    """One choice (a sample of a prompt), accumulated from its delta outputs (or from the
+    one final output of a best_of > n request)."""
 
     prompt_token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
-    def add(self, output: RequestOutput) -> None:
-        completion = output.outputs[0]
+    def add(self, output: RequestOutput, completion: CompletionOutput) -> None:
         self.prompt_token_ids = output.prompt_token_ids
         self.text.append(completion.text)
         self.token_ids.extend(completion.token_ids)
         self.logprobs.extend(completion.logprobs or ())
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
-        self.cumulative_logprob = completion.cumulative_logprob or 0.0
-        if output.finished:
+        if completion.finish_reason is not None:
             self.finish_reason = completion.finish_reason
             self.stop_reason = completion.stop_reason
 
@@ -231,13 +215,31 @@ class ChoiceState:
         return "".join(self.text)
 
 
-async def collect(group: RequestGroup, raw_request: Request) -> list[ChoiceState]:
+def choice_index(request_index: int, completion: CompletionOutput, n: int) -> int:
+    """The OpenAI choice index of one sample: every choice of prompt 0, then of prompt 1."""
+    return request_index * n + completion.index
+
+
+@dataclass
+class Collected:
+    """A non-streamed call's choices, and what it generated (best_of's dropped samples too)."""
+
+    choices: list[ChoiceState]
+    num_generated_tokens: int
+
+
+async def collect(group: RequestGroup, raw_request: Request, n: int) -> Collected:
     """Waits for every request of the group, aborting them all if the client goes away."""
-    states = [ChoiceState() for _ in group.request_ids]
+    states = [ChoiceState() for _ in range(len(group.request_ids) * n)]
+    generated = [0]
 
     async def consume() -> None:
         async for index, output in group:
-            states[index].add(output)
+            for completion in output.outputs:
+                states[choice_index(index, completion, n)].add(output, completion)
+                generated[0] += len(completion.token_ids)
+            if output.num_generated_tokens is not None:  # best_of: the samples not returned too
+                generated[0] += output.num_generated_tokens - sum(len(c.token_ids) for c in output.outputs)
 
     task = asyncio.ensure_future(consume())
     async with group:  # aborts the unfinished requests however we leave
@@ -249,11 +251,20 @@ async def collect(group: RequestGroup, raw_request: Request) -> list[ChoiceState
                     for state in states:
                         if state.finish_reason == "error":
                             raise request_failed(state.stop_reason)
-                    return states
+                    _share_prompt_logprobs(states, n)
+                    return Collected(states, generated[0])
                 if await raw_request.is_disconnected():
                     raise ClientDisconnected()
         finally:
             task.cancel()
+
+
+def _share_prompt_logprobs(states: list[ChoiceState], n: int) -> None:
+    """Only the sample that prefilled computed its prompt's logprobs; they are every sample's."""
+    for start in range(0, len(states), n):
+        found = next((s.prompt_logprobs for s in states[start : start + n] if s.prompt_logprobs is not None), None)
+        for state in states[start : start + n]:
+            state.prompt_logprobs = found
 
 
 def request_failed(reason: object) -> APIError:
@@ -261,10 +272,9 @@ def request_failed(reason: object) -> APIError:
     return APIError(500, f"the request failed in the engine: {reason}", None, "request_failed")
 
 
-def check_not_failed(output: RequestOutput) -> None:
-    """In a stream: an output that ended with "error" ends the stream with an error chunk."""
-    completion = output.outputs[0]
-    if output.finished and completion.finish_reason == "error":
+def check_not_failed(completion: CompletionOutput) -> None:
+    """In a stream: a sample that ended with "error" ends the stream with an error chunk."""
+    if completion.finish_reason == "error":
         raise request_failed(completion.stop_reason)
 
 

@@ -1,9 +1,8 @@
-"""POST /v1/completions: prompts x samples fan out into independent engine requests.
+"""POST /v1/completions: one engine request per prompt, its n / best_of samples run by the engine.
 
-Engine request k of a call serves prompt k // S, sample k % S, where S = best_of or n.
-Without best_of, choice index = k (OpenAI's order: all choices of prompt 0, then prompt 1).
-With best_of > n, the n samples of each prompt with the highest cumulative logprob are
-returned (the engine is asked for logprobs=0 internally to get cumulative_logprob).
+Engine request k serves prompt k; its sample i is choice k * n + i (OpenAI's order: all
+choices of prompt 0, then prompt 1). With best_of > n the engine ranks the samples by
+cumulative logprob and reports the best n, re-indexed 0..n-1 (not streamable).
 """
 
 from __future__ import annotations
@@ -16,9 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from pagedserve.engine.async_engine import RequestGroup
-from pagedserve.engine.llm_engine import PromptInput
-from pagedserve.outputs import Logprob, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import (
     CompletionChoice,
@@ -31,22 +28,22 @@ from pagedserve.server.protocol import (
 )
 from pagedserve.server.serving_common import (
     SSE_DONE,
-    ChoiceState,
+    Collected,
     ServerContext,
-    check_context_length,
     check_not_failed,
+    choice_index,
     collect,
     compile_constraint,
-    fan_out,
     json_logprob,
     make_params,
+    process,
     sse,
     sse_error,
     submit,
     token_text,
 )
 
-# One HTTP call may fan out into at most this many engine requests (prompts x samples).
+# One HTTP call may run at most this many sequences (prompts x samples).
 MAX_ENGINE_REQUESTS = 1024
 
 Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
@@ -56,24 +53,18 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_req
     arrival = time.monotonic()
     model = ctx.resolve_model(body.model)
     _check_fields(body)
-    prompts = await _prompts(ctx, body.prompt)
+    prompts = await _prompts(ctx, body, body.prompt)
     num_samples = body.best_of or body.n
     if len(prompts) * num_samples > MAX_ENGINE_REQUESTS:
         raise APIError(400, f"n: prompts x samples must be <= {MAX_ENGINE_REQUESTS}", "n")
-    internal_logprobs = body.logprobs if body.logprobs is not None else (0 if num_samples > body.n else None)
     # echo with max_tokens=0 scores the prompt only: the engine generates one token, dropped.
     max_tokens = 1 if _echo_only(body) else body.max_tokens
-    params = make_params(body, max_tokens, internal_logprobs, ctx.sampling_defaults, _engine_prompt_logprobs(body))
+    params = make_params(body, max_tokens, body.logprobs, ctx.sampling_defaults, _engine_prompt_logprobs(body))
     constraint = body.output_constraint()
     await compile_constraint(ctx, params, constraint[1] if constraint is not None else None)
-    for _, ids in prompts:
-        check_context_length(ctx, len(ids), max_tokens, "prompt")
-    requests: list[tuple[PromptInput, SamplingParams]] = [
-        (_engine_prompt(text, ids), sample_params)
-        for text, ids in prompts
-        for sample_params in fan_out(params, num_samples)
-    ]
-    group = await submit(ctx, body, requests, arrival, ctx.lora_for(model))
+    engine_prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts]
+    inputs = await process(ctx, body, engine_prompts, params, max_tokens, "prompt")
+    group = await submit(ctx, body, inputs, arrival, ctx.lora_for(model))
     request_id = random_id("cmpl")
     if body.stream:
         return StreamingResponse(
@@ -82,15 +73,12 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_req
             # Runs even if the client left before the first chunk was produced.
             background=BackgroundTask(group.abort),
         )
-    states = await collect(group, raw_request)
-    return JSONResponse(_response(ctx, body, model, request_id, prompts, states).model_dump())
+    collected = await collect(group, raw_request, body.n)
+    return JSONResponse(_response(ctx, body, model, request_id, prompts, collected).model_dump())
 
 
 def _check_fields(body: CompletionRequest) -> None:
-    if body.best_of is not None and body.best_of < body.n:
-        raise APIError(400, f"best_of must be >= n ({body.n}), got {body.best_of}", "best_of")
-    if body.stream and body.best_of is not None and body.best_of > body.n:
-        raise APIError(400, "best_of > n cannot be streamed", "best_of")
+    # best_of >= n, and best_of > n not streamed: SamplingParams and the input processor.
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options can only be set when stream is true", "stream_options")
     if body.max_tokens == 0 and not body.echo:
@@ -109,24 +97,20 @@ def _engine_prompt_logprobs(body: CompletionRequest) -> int | None:
     return max(wanted) if wanted else None
 
 
-async def _prompts(ctx: ServerContext, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
-    """Normalizes the four prompt shapes; text is tokenized here (off the event loop), as
-    the engine would, after refusing any text too long to fit whatever its tokens."""
+async def _prompts(
+    ctx: ServerContext, body: CompletionRequest, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[Prompt]:
+    """Normalizes the four prompt shapes; text is tokenized by the input processor in the
+    tokenize worker (off the event loop), which first refuses any text too long to fit."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise APIError(400, "prompt must not be empty", "prompt")
     if isinstance(prompt[0], int):
         return [(None, list(prompt))]  # type: ignore[arg-type]
-    texts = [item for item in prompt if isinstance(item, str)]
-    for text in texts:
-        ctx.check_prompt_chars(len(text), "prompt")
-    encoded = iter(await ctx.off_loop(lambda: [ctx.tokenizer.encode(t) for t in texts]) if texts else [])
-    return [(item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in prompt]
-
-
-def _engine_prompt(text: str | None, ids: list[int]) -> PromptInput:
-    return {"prompt": text, "prompt_token_ids": ids}
+    items = list(prompt)
+    processor = ctx.processor
+    return await ctx.process_off_loop(body, lambda: [processor.tokenize(item) for item in items])  # type: ignore[arg-type]
 
 
 def _echo_text(ctx: ServerContext, prompt: Prompt) -> str:
@@ -189,23 +173,12 @@ def _choice_logprobs(
     return _logprobs(ctx, entries, token_ids, offset, body.logprobs)
 
 
-def _best(states: list[ChoiceState], num_samples: int, n: int) -> list[ChoiceState]:
-    if num_samples == n:
-        return states
-    chosen = []
-    for start in range(0, len(states), num_samples):
-        samples = states[start : start + num_samples]
-        chosen += sorted(samples, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
-    return chosen
-
-
 def _response(
     ctx: ServerContext, body: CompletionRequest, model: str, request_id: str,
-    prompts: list[Prompt], states: list[ChoiceState],
+    prompts: list[Prompt], collected: Collected,
 ) -> CompletionResponse:
-    num_samples = body.best_of or body.n
     choices = []
-    for index, state in enumerate(_best(states, num_samples, body.n)):
+    for index, state in enumerate(collected.choices):
         prompt = prompts[index // body.n]
         prefix = _echo_text(ctx, prompt) if body.echo else ""
         if _echo_only(body):
@@ -221,9 +194,9 @@ def _response(
             prompt_token_ids=prompt[1] if body.return_token_ids else None,
             token_ids=state.token_ids if body.return_token_ids else None,
         ))
-    # Every sample is generated, so every sample counts (best_of is billed like that too);
-    # echo with max_tokens=0 returns no generated token and bills none.
-    completion_tokens = sum(len(s.token_ids) for s in states)
+    # Every sample is generated, so every sample counts (best_of's dropped ones too, as
+    # OpenAI bills them); echo with max_tokens=0 returns no generated token and bills none.
+    completion_tokens = 0 if _echo_only(body) else collected.num_generated_tokens
     return CompletionResponse(
         id=request_id, model=model, choices=choices, usage=_usage(prompts, completion_tokens)
     )
@@ -241,26 +214,30 @@ def _usage(prompts: list[Prompt], completion_tokens: int) -> Usage:
 class _StreamState:
     """Per-choice progress of one streamed call."""
 
-    def __init__(self, num_choices: int) -> None:
-        self.started = [False] * num_choices
-        self.offsets = [0] * num_choices  # text_offset of the next token, per choice
+    def __init__(self, num_prompts: int, n: int) -> None:
+        self.started = [False] * (num_prompts * n)
+        self.offsets = [0] * (num_prompts * n)  # text_offset of the next token, per choice
+        # Per prompt: only its prefilling sample's first output carries them.
+        self.prompt_logprobs: list[list | None] = [None] * num_prompts
         self.completion_tokens = 0
 
 
 def _stream_choice(
     ctx: ServerContext, body: CompletionRequest, prompts: list[Prompt],
-    state: _StreamState, index: int, output: RequestOutput,
+    state: _StreamState, request_index: int, output: RequestOutput, completion: CompletionOutput,
 ) -> CompletionChoice:
-    completion = output.outputs[0]
     text, token_ids, entries = completion.text, completion.token_ids, completion.logprobs or []
     if _echo_only(body):
         text, token_ids, entries = "", [], []
     state.completion_tokens += len(token_ids)
-    prompt = prompts[index // body.n]
+    index = choice_index(request_index, completion, body.n)
+    prompt = prompts[request_index]
+    if output.prompt_logprobs is not None:
+        state.prompt_logprobs[request_index] = output.prompt_logprobs
     first = not state.started[index]
     state.started[index] = True
     prefix = _echo_text(ctx, prompt) if first and body.echo else ""
-    logprobs = _choice_logprobs(ctx, body, prompt[1], output.prompt_logprobs if first else None,
+    logprobs = _choice_logprobs(ctx, body, prompt[1], state.prompt_logprobs[request_index] if first else None,
                                 token_ids, entries, state.offsets[index] + len(prefix))
     state.offsets[index] += len(prefix)
     if logprobs is not None:
@@ -280,13 +257,15 @@ async def _stream(
     ctx: ServerContext, body: CompletionRequest, model: str, request_id: str,
     prompts: list[Prompt], group: RequestGroup,
 ) -> AsyncIterator[str]:
-    state = _StreamState(len(group.request_ids))
+    state = _StreamState(len(prompts), body.n)
     try:
         async with group:  # a client that disconnects cancels us here: its requests are aborted
-            async for index, output in group:
-                choice = _stream_choice(ctx, body, prompts, state, index, output)
-                yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
-                check_not_failed(output)
+            async for request_index, output in group:
+                # A delta output carries one sample's new tokens; its choice says which.
+                for completion in output.outputs:
+                    choice = _stream_choice(ctx, body, prompts, state, request_index, output, completion)
+                    yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
+                    check_not_failed(completion)
         if body.stream_options is not None and body.stream_options.include_usage:
             usage = _usage(prompts, state.completion_tokens)
             yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))

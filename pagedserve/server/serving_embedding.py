@@ -1,7 +1,7 @@
 """/v1/embeddings: one pooling request per input, in one engine group.
 
 The inputs take the completion prompt's four shapes (text, texts, token ids, lists of ids);
-text is tokenized off the event loop after the length check, as for completions. Each input
+text is tokenized by the input processor in the tokenize worker, as for completions. Each input
 runs as a pooling request (pagedserve/pooling_params.py): its embedding is the final hidden
 state at its last token, L2-normalized unless `normalize` is false.
 """
@@ -15,7 +15,6 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedserve.engine.llm_engine import PromptInput
 from pagedserve.outputs import RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.server.errors import APIError
@@ -28,7 +27,7 @@ from pagedserve.server.protocol import (
 )
 from pagedserve.server.serving_common import (
     ServerContext,
-    check_context_length,
+    process,
     request_failed,
     submit,
 )
@@ -43,20 +42,17 @@ async def create_embedding(ctx: ServerContext, body: EmbeddingRequest, raw_reque
     if body.dimensions is not None and body.dimensions != hidden_size:
         raise APIError(400, f"dimensions: this model's embeddings have {hidden_size} dimensions and cannot "
                             "be shortened (not a Matryoshka model)", "dimensions")
-    prompts = await _inputs(ctx, body.input)
+    prompts = await _inputs(ctx, body, body.input)
     if len(prompts) > MAX_INPUTS:
         raise APIError(400, f"input: at most {MAX_INPUTS} inputs per request, got {len(prompts)}", "input")
     if body.truncate_prompt_tokens is not None:
         prompts = [(text if len(ids) <= body.truncate_prompt_tokens else None, ids[-body.truncate_prompt_tokens:])
                    for text, ids in prompts]
-    for _, ids in prompts:
-        check_context_length(ctx, len(ids), 1, "input")
     params = PoolingParams(normalize=body.normalize if body.normalize is not None else True)
-    requests: list[tuple[PromptInput, PoolingParams]] = [
-        ({"prompt": text, "prompt_token_ids": ids}, params) for text, ids in prompts
-    ]
-    group = await submit(ctx, body, requests, arrival, ctx.lora_for(model))  # type: ignore[arg-type]
-    outputs: list[RequestOutput | None] = [None] * len(requests)
+    engine_prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts]
+    inputs = await process(ctx, body, engine_prompts, params, 1, "input")
+    group = await submit(ctx, body, inputs, arrival, ctx.lora_for(model))
+    outputs: list[RequestOutput | None] = [None] * len(inputs)
     async with group:  # aborts the unfinished requests however we leave
         async for index, output in group:
             if output.finished:
@@ -78,13 +74,10 @@ async def create_embedding(ctx: ServerContext, body: EmbeddingRequest, raw_reque
     return JSONResponse(response.model_dump())
 
 
-async def _inputs(ctx: ServerContext, given: str | list[str] | list[int] | list[list[int]]) -> list[
-        tuple[str | None, list[int]]]:
+async def _inputs(ctx: ServerContext, body: EmbeddingRequest, given: str | list[str] | list[int] | list[list[int]]
+                  ) -> list[tuple[str | None, list[int]]]:
     items = [given] if isinstance(given, str) else given
     if isinstance(items[0], int):
         return [(None, list(items))]  # type: ignore[arg-type]
-    texts = [item for item in items if isinstance(item, str)]
-    for text in texts:
-        ctx.check_prompt_chars(len(text), "input")
-    encoded = iter(await ctx.off_loop(lambda: [ctx.tokenizer.encode(t) for t in texts]) if texts else [])
-    return [(item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in items]
+    processor = ctx.processor
+    return await ctx.process_off_loop(body, lambda: [processor.tokenize(item, "input") for item in items])
