@@ -311,7 +311,7 @@ def test_openapi_document_describes_the_server(server: LiveServer) -> None:
 # naming it, never silently ignored (issue #16.6). Structured outputs (response_format,
 # tools, guided_*, structured_outputs) and prompt_logprobs leave this list when implemented.
 UNSUPPORTED = [
-    "return_tokens_as_token_ids", "suffix", "no_such_field",
+    "suffix", "no_such_field",
 ]
 
 

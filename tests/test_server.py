@@ -580,3 +580,19 @@ def test_sigterm_shuts_down_gracefully_exit_0(tmp_path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_return_tokens_as_token_ids(live_server: LiveServer) -> None:  # noqa: F811
+    client = openai.OpenAI(base_url=live_server.v1, api_key="x", max_retries=0)
+    plain = _greedy(client, PROMPTS[0], 5, logprobs=2, return_token_ids=True)
+    as_ids = _greedy(client, PROMPTS[0], 5, logprobs=2, return_token_ids=True, return_tokens_as_token_ids=True)
+    choice = as_ids.choices[0]
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in choice.token_ids]
+    assert choice.logprobs.token_logprobs == plain.choices[0].logprobs.token_logprobs
+    assert all(re.fullmatch(r"token_id:\d+", key) for top in choice.logprobs.top_logprobs for key in top)
+    chat = client.chat.completions.create(
+        model=TEST_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in chat.choices[0].token_ids]
+    assert all(re.fullmatch(r"token_id:\d+", top.token) for c in content for top in c.top_logprobs)

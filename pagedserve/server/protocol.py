@@ -124,6 +124,8 @@ class SamplingRequest(StrictRequest):
     model: str | None = None
     # vLLM's: lower runs first under --scheduling-policy priority (must be 0 otherwise).
     priority: int = 0
+    # vLLM's: logprobs name tokens as "token_id:N" instead of their text.
+    return_tokens_as_token_ids: bool = False
     n: int = Field(1, ge=1, le=MAX_SAMPLES)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

@@ -116,10 +116,10 @@ def _check_fields(body: ChatCompletionRequest) -> None:
         raise APIError(400, "stream_options can only be set when stream is true", "stream_options")
 
 
-def _logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int) -> ChatLogprobs:
+def _logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int, as_ids: bool = False) -> ChatLogprobs:
     content = []
     for token_id, entry in zip(token_ids, entries, strict=False):
-        text = token_text(token_id, entry)
+        text = token_text(token_id, entry, as_ids)
         chosen = entry.get(token_id)
         ranked = sorted(
             (item for item in entry.items() if item[1].rank is not None and item[1].rank <= top),
@@ -129,7 +129,7 @@ def _logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int)
             token=text,
             logprob=json_logprob(chosen.logprob) if chosen is not None else MIN_LOGPROB,
             bytes=list(text.encode()),
-            top_logprobs=[_top(token_text(t, entry), lp) for t, lp in ranked[:top]],
+            top_logprobs=[_top(token_text(t, entry, as_ids), lp) for t, lp in ranked[:top]],
         ))
     return ChatLogprobs(content=content)
 
@@ -161,7 +161,8 @@ def _response(
             message=ChatMessageOut(role="assistant", content=content, tool_calls=[
                 ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
             ] if calls else None),
-            logprobs=_logprobs(state.logprobs, state.token_ids, body.top_logprobs or 0) if body.logprobs else None,
+            logprobs=_logprobs(state.logprobs, state.token_ids, body.top_logprobs or 0,
+                                         body.return_tokens_as_token_ids) if body.logprobs else None,
             finish_reason=finish_reason,
             stop_reason=state.stop_reason,
             token_ids=state.token_ids if body.return_token_ids else None,
@@ -178,7 +179,8 @@ def _chunk_choice(
 ) -> ChatChunkChoice:
     logprobs = None
     if body.logprobs:
-        logprobs = _logprobs(completion.logprobs or [], completion.token_ids, body.top_logprobs or 0)
+        logprobs = _logprobs(completion.logprobs or [], completion.token_ids, body.top_logprobs or 0,
+                             body.return_tokens_as_token_ids)
     content, calls = stream.feed(completion.text, completion.finish_reason is not None)
     finish_reason = completion.finish_reason
     if stream.num_calls and finish_reason == "stop" and stream.mode.choice != "named":

@@ -304,7 +304,11 @@ def json_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
-def token_text(token_id: int, entry: dict[int, Logprob]) -> str:
+def token_text(token_id: int, entry: dict[int, Logprob], as_id: bool = False) -> str:
+    """A logprob's token as text; `as_id` (vLLM's return_tokens_as_token_ids): "token_id:N",
+    which stays unambiguous where a token is not valid UTF-8 on its own."""
+    if as_id:
+        return f"token_id:{token_id}"
     logprob = entry.get(token_id)
     decoded = logprob.decoded_token if logprob is not None else None
     return decoded if decoded is not None else f"token_id:{token_id}"

@@ -121,23 +121,24 @@ def _echo_text(ctx: ServerContext, prompt: Prompt) -> str:
 
 
 def _logprobs(
-    ctx: ServerContext, entries: list[dict[int, Logprob] | None], token_ids: list[int], offset: int, num_top: int
+    ctx: ServerContext, entries: list[dict[int, Logprob] | None], token_ids: list[int], offset: int, num_top: int,
+    as_ids: bool = False,
 ) -> CompletionLogprobs:
     """OpenAI's legacy logprobs for `token_ids`. An entry is None for the prompt's first token
     (nothing predicts it); each entry lists its token first, then the top `num_top`."""
     out = CompletionLogprobs()
     for token_id, entry in zip(token_ids, entries, strict=False):
         if entry is None:
-            text = _decode_one(ctx, token_id)
+            text = f"token_id:{token_id}" if as_ids else _decode_one(ctx, token_id)
             out.tokens.append(text)
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
         else:
-            text = token_text(token_id, entry)
+            text = token_text(token_id, entry, as_ids)
             out.tokens.append(text)
             out.token_logprobs.append(json_logprob(entry[token_id].logprob) if token_id in entry else None)
             top = list(entry.items())[: num_top + 1]
-            out.top_logprobs.append({token_text(t, entry): json_logprob(lp.logprob) for t, lp in top})
+            out.top_logprobs.append({token_text(t, entry, as_ids): json_logprob(lp.logprob) for t, lp in top})
         out.text_offset.append(offset)
         offset += len(text)
     return out
@@ -170,7 +171,7 @@ def _choice_logprobs(
     if body.echo and prompt_entries is not None:
         token_ids, entries = [*prompt_ids, *token_ids], [*prompt_entries, *entries]
         offset = 0
-    return _logprobs(ctx, entries, token_ids, offset, body.logprobs)
+    return _logprobs(ctx, entries, token_ids, offset, body.logprobs, body.return_tokens_as_token_ids)
 
 
 def _response(
