@@ -1,4 +1,4 @@
-"""A longer schemathesis run than the suite's (tests/test_fuzz.py), same server and checks.
+"""A longer schemathesis run than the suite's (tests/server/test_fuzz.py), same server and checks.
 
     python scripts/fuzz.py --max-examples 300 [--seed 7]
 

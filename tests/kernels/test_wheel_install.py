@@ -26,7 +26,7 @@ import pytest
 
 from hf_reference import hf_greedy, make_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import json, sys

@@ -114,6 +114,6 @@ def test_compatibility_doc_matches_the_settings() -> None:
 
     from pagedserve.engine_args import compatibility_table
 
-    doc = (Path(__file__).parents[1] / "docs" / "vllm_compatibility.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "vllm_compatibility.md").read_text()
     block = doc.split("<!-- generated: engine settings -->\n", 1)[1].split("<!-- end generated -->", 1)[0]
     assert block == compatibility_table(), "regenerate with: python -m pagedserve.engine_args"

@@ -2,7 +2,7 @@
 
 Each numbered defect of the issue has a regression test here (the issue's number in the
 test's docstring); the parametrized bad-input table and the idle test are here too. The
-OpenAPI fuzz run is tests/test_fuzz.py.
+OpenAPI fuzz run is tests/server/test_fuzz.py.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 # hub id in the scripts -> the random test model standing in for it
 HUB_MODELS = {"facebook/opt-125m": "opt", "meta-llama/Llama-2-7b-hf": "llama-gqa"}
 ADAPTER_ID = "yard1/llama-2-7b-sql-lora-test"
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _cache_entry(cache: pathlib.Path, repo_id: str, source: pathlib.Path) -> None:
