@@ -20,7 +20,9 @@ class SpeculativeConfig:
         prompt_lookup_max / prompt_lookup_min: n-gram sizes tried, longest first.
         disable_by_batch_size: no speculation in a step whose running batch has at least
             this many requests (verifying k tokens per request then costs more than it
-            saves); None: never. Default from benchmarks/speculative.py's crossover.
+            saves); None: never. Default 8: benchmarks/speculative.py found n-gram
+            verification still paying at batch 4 on chat (+3%) and at 8 on copy-heavy text (+10%),
+            and a loss at 8 on chat (-4%); see BENCHMARKS.md.
         min_acceptance_rate: a request whose recent acceptance rate (an exponential moving
             average of accepted / proposed per step) falls below this stops speculating
             for `backoff_steps` steps, doubling each time it fails again.
@@ -32,7 +34,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    disable_by_batch_size: int | None = 4
+    disable_by_batch_size: int | None = 8
     min_acceptance_rate: float = 0.25
     backoff_steps: int = 8
 
