@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import os
 import random
 import socket
@@ -101,19 +102,21 @@ def main() -> int:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as http, \
                 concurrent.futures.ThreadPoolExecutor(N) as pool:
             engine_native(http, [5] * 16, 0, 2)  # warm-up: kernels, first allocation
+            # Same prompt, same seeds: the two paths must sample the same tokens (untimed).
+            check = [rng.randrange(100, 1000) for _ in range(args.prompt_len)]
+            _, native_tokens = engine_native(http, check, 7, args.max_tokens)
+            _, fan_tokens = fan_out(http, pool, check, 7, args.max_tokens)
+            assert native_tokens == fan_tokens, "the two paths sampled different tokens"
             for round_index in range(args.rounds):
-                # A fresh prompt per round: no prefix-cache hit from an earlier round.
-                prompt = [rng.randrange(100, 1000) for _ in range(args.prompt_len)]
                 seed = 1000 * round_index
                 order = ["engine", "fan-out"] if round_index % 2 == 0 else ["fan-out", "engine"]
-                samples = {}
                 for name in order:
-                    if name == "engine":
-                        elapsed, samples[name] = engine_native(http, prompt, seed, args.max_tokens)
-                    else:
-                        elapsed, samples[name] = fan_out(http, pool, prompt, seed, args.max_tokens)
+                    # A fresh prompt for every timed call: no prefix-cache hit from an earlier
+                    # call (a shared prompt would hand the second path of a round the first's cache).
+                    prompt = [rng.randrange(100, 1000) for _ in range(args.prompt_len)]
+                    run = engine_native if name == "engine" else functools.partial(fan_out, pool=pool)
+                    elapsed, _ = run(http, prompt=prompt, seed=seed, max_tokens=args.max_tokens)
                     times[name].append(elapsed)
-                assert samples["engine"] == samples["fan-out"], "the two paths sampled different tokens"
     finally:
         server.terminate()
         server.wait(30)
