@@ -52,7 +52,7 @@ async def _run_all(engine: Any, prompts: list[list[int]], max_tokens: int) -> tu
         tokens = 0
         async with group:
             async for _, output in group:
-                tokens += len(output.outputs[0].token_ids)
+                tokens = len(output.outputs[0].token_ids)  # outputs are cumulative: keep the last
         return tokens
 
     start = time.perf_counter()
@@ -103,7 +103,7 @@ async def chat_hit_rate(engine: Any, args: argparse.Namespace, stats: Any) -> fl
             reply: list[int] = []
             async with group:
                 async for _, output in group:
-                    reply += output.outputs[0].token_ids
+                    reply = list(output.outputs[0].token_ids)  # cumulative: the last is the reply
             history = history + reply
 
     await asyncio.gather(*(conversation(c) for c in range(args.conversations)))
