@@ -11,7 +11,20 @@ import pathlib
 
 from pagedserve.demo_models import _build_once, default_cache_dir, truncated_copy
 
-__all__ = ["noisy_copy", "smollm2_path", "truncated_copy"]
+__all__ = ["add_hub_snapshot", "noisy_copy", "smollm2_path", "truncated_copy"]
+
+
+def add_hub_snapshot(cache: pathlib.Path, repo_id: str, source: pathlib.Path, refs: dict[str, str]) -> None:
+    """Puts a copy of `source` in a Hugging Face cache the way huggingface_hub lays it out:
+    models--org--name/snapshots/<commit>/... and refs/<ref> -> commit, for each ref."""
+    import shutil
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    for ref, commit in refs.items():
+        if not (repo / "snapshots" / commit).exists():
+            shutil.copytree(source, repo / "snapshots" / commit)
+        (repo / "refs" / ref).write_text(commit)
 
 
 def smollm2_path() -> pathlib.Path | None:

@@ -36,6 +36,12 @@ class ScheduledRequest:
     fork_requests: list[Request] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
 
+    @property
+    def num_logits_rows(self) -> int:
+        """Logits rows this request samples from when `sample`: its own, one per fork, and
+        one per proposed token (verification)."""
+        return 1 + len(self.fork_requests) + len(self.spec_token_ids)
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

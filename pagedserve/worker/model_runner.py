@@ -243,7 +243,7 @@ class ModelRunner:
                 continue
             if item.request.pooling is not None:
                 wanted.append((index, row))
-            row += 1 + len(item.fork_requests) + len(item.spec_token_ids)
+            row += item.num_logits_rows
         if not wanted:
             return []
         rows = logits_indices[torch.tensor([r for _, r in wanted], device=logits_indices.device)]
@@ -332,7 +332,7 @@ class ModelRunner:
         keep: list[int] = []
         row = 0
         for item in items:
-            num_rows = 1 + len(item.fork_requests) + len(item.spec_token_ids)
+            num_rows = item.num_logits_rows
             if item.request.request_id not in failed:
                 keep.extend(range(row, row + num_rows))
             row += num_rows

@@ -14,11 +14,11 @@ import os
 import pathlib
 import pickle
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
+from model_copies import add_hub_snapshot
 from transformers import AutoTokenizer
 
 from hf_reference import hf_greedy
@@ -32,22 +32,14 @@ ADAPTER_ID = "yard1/llama-2-7b-sql-lora-test"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _cache_entry(cache: pathlib.Path, repo_id: str, source: pathlib.Path) -> None:
-    """huggingface_hub's layout: models--org--name/{refs/main, snapshots/<commit>/...}."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    shutil.copytree(source, repo / "snapshots" / COMMIT)
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-
-
 @pytest.fixture(scope="module")
 def hub(model_path, tmp_path_factory):
     cache = tmp_path_factory.mktemp("hf_cache")
     for repo_id, name in HUB_MODELS.items():
-        _cache_entry(cache, repo_id, pathlib.Path(model_path(name)))
+        add_hub_snapshot(cache, repo_id, pathlib.Path(model_path(name)), {"main": COMMIT})
     adapter = make_peft_adapter(model_path("llama-gqa"), tmp_path_factory.mktemp("adapter") / "sql", 8,
                                 ["q_proj", "v_proj"], seed=3)
-    _cache_entry(cache, ADAPTER_ID, pathlib.Path(adapter))
+    add_hub_snapshot(cache, ADAPTER_ID, pathlib.Path(adapter), {"main": COMMIT})
     return cache
 
 

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from model_copies import add_hub_snapshot
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.dtypes import auto_dtype, cpu_has_native_bf16
@@ -36,12 +37,7 @@ def _edit_json(path, **changes) -> None:
 def _hub_cache(tmp_path, source) -> str:
     """models--org--tiny with refs/main -> COMMIT_A and a tag v2 -> COMMIT_B, as huggingface_hub lays it out."""
     cache = tmp_path / "hub"
-    repo = cache / "models--org--tiny"
-    for commit in (COMMIT_A, COMMIT_B):
-        shutil.copytree(source, repo / "snapshots" / commit)
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(COMMIT_A)
-    (repo / "refs" / "v2").write_text(COMMIT_B)
+    add_hub_snapshot(cache, "org/tiny", source, {"main": COMMIT_A, "v2": COMMIT_B})
     return str(cache)
 
 
