@@ -13,7 +13,14 @@ Per configuration, through the engine (the offline LLM class):
   * greedy agreement with fp32: --prompts chat prompts (a fixed list, ChatML via the
     tokenizer's chat template) x --new-tokens greedy tokens; per prompt, the tokens before
     the first divergence from fp32's output, summed over prompts and divided by fp32's
-    token count (both stopping at end-of-turn at the same place counts as full agreement).
+    token count (both stopping at end-of-turn at the same place counts as full agreement);
+  * teacher-forced agreement: every configuration reads fp32's greedy continuations as prompts
+    (prompt_logprobs=2) and its top-1 at each position is compared with fp32's token. Unlike the
+    first-divergence share, one near-tie early in a reply does not discard the rest of it. The
+    fp32 row is the noise floor (its prefill against its own decode: different matmul kernels);
+  * the margin at each first divergence: fp32's top-1 minus top-2 logprob at the position where
+    the configuration's greedy reply first differs (median over the diverging prompts). A small
+    margin says the two precisions split a near-tie, not that one of them went wrong.
 
 Nothing here depends on timing: the numbers are deterministic for a model, a Python version
 and a CPU's float summation order, so one run is the result.
@@ -27,6 +34,7 @@ import inspect
 import json
 import math
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -151,6 +159,44 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> float:
     return agreed / max(1, sum(len(r) for r in reference))
 
 
+def teacher_forced(llm, prompts: list[list[int]], replies: list[list[int]]) -> list[list[tuple[int, float]]]:
+    """Per prompt, per reply position: (this model's top-1 token, its top-1 minus top-2 logprob),
+    reading `replies` as part of the prompt."""
+    from pagedserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    outputs = llm.generate([{"prompt_token_ids": p + r} for p, r in zip(prompts, replies, strict=True)],
+                           params, use_tqdm=False)
+    result = []
+    for out, prompt, reply in zip(outputs, prompts, replies, strict=True):
+        rows = []
+        for entry in out.prompt_logprobs[len(prompt) : len(prompt) + len(reply)]:
+            ranked = sorted((lp for lp in entry.items() if lp[1].rank in (1, 2)), key=lambda kv: kv[1].rank)
+            top1, top2 = ranked[0], ranked[1] if len(ranked) > 1 else ranked[0]
+            rows.append((top1[0], top1[1].logprob - top2[1].logprob))
+        result.append(rows)
+    return result
+
+
+def teacher_forced_agreement(reference: list[list[int]], forced: list[list[tuple[int, float]]]) -> float:
+    agreed = sum(tok == ref for rows, refs in zip(forced, reference, strict=True)
+                 for (tok, _), ref in zip(rows, refs, strict=True))
+    return agreed / max(1, sum(len(r) for r in reference))
+
+
+def divergence_margins(reference: list[list[int]], other: list[list[int]],
+                       fp32_forced: list[list[tuple[int, float]]]) -> list[float]:
+    """fp32's top-1 minus top-2 logprob where `other` first leaves fp32's greedy reply."""
+    margins = []
+    for ref, out, rows in zip(reference, other, fp32_forced, strict=True):
+        n = 0
+        while n < len(ref) and n < len(out) and ref[n] == out[n]:
+            n += 1
+        if n < len(ref) and n < len(rows):
+            margins.append(rows[n][1])
+    return margins
+
+
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:
     prompts = []
     for text in (CHAT_PROMPTS * (1 + count // len(CHAT_PROMPTS)))[:count]:
@@ -184,6 +230,8 @@ def run(args: argparse.Namespace) -> None:
             prompts = chat_prompts(tokenizer, args.prompts)
         ppl, count = perplexity(llm, chunks)
         results[name] = {"ppl": ppl, "count": count, "outputs": greedy_outputs(llm, prompts, args.new_tokens)}
+        reference = results.get("fp32", results[name])["outputs"]  # fp32 runs first (or earlier)
+        results[name]["forced"] = teacher_forced(llm, prompts, reference)
         _save_result(args, name, results[name])
         del llm
         print(f"# {name}: ppl {ppl:.4f} ({count} tokens), {time.perf_counter() - start:.0f} s", flush=True)
@@ -222,13 +270,18 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
     print(f"\nmodel {args.model}; corpus: {len(CORPUS_MODULES)} stdlib modules' docstrings, Python "
           f"{platform.python_version()}, {base['count']} scored tokens in windows of {args.window}; "
           f"greedy: {args.prompts} chat prompts x {args.new_tokens} tokens")
-    print("| config | perplexity | vs fp32 | greedy agreement |")
-    print("|---|---:|---:|---:|")
+    print("| config | perplexity | vs fp32 | greedy agreement | teacher-forced top-1 | diverging prompts | "
+          "fp32 margin at divergence (median, nats) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     order = [n for n in CONFIGS if n in results]
     for name in order:
         r = results[name]
         agree = agreement(base["outputs"], r["outputs"])
-        print(f"| {name} | {r['ppl']:.4f} | {100 * (r['ppl'] / base['ppl'] - 1):+.2f}% | {agree:.3f} |")
+        forced = f"{teacher_forced_agreement(base['outputs'], r['forced']):.3f}" if "forced" in r else "-"
+        margins = divergence_margins(base["outputs"], r["outputs"], base["forced"]) if "forced" in base else []
+        margin = f"{statistics.median(margins):.3f}" if margins else "-"
+        print(f"| {name} | {r['ppl']:.4f} | {100 * (r['ppl'] / base['ppl'] - 1):+.2f}% | {agree:.3f} | {forced} | "
+              f"{len(margins)} / {len(base['outputs'])} | {margin} |")
 
 
 def main() -> None:
