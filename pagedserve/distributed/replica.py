@@ -2,10 +2,17 @@
 
     ingress (ReplicaSetEngine)                 actor process (EngineReplica)
     --------------------------                 -----------------------------
-    generate.remote(group_id, requests) ─────► AsyncLLMEngine.add_requests
-        first item ◄── ("added", None) | ("invalid", message)
-        then      ◄── ("outputs", [(index, RequestOutput), ...])   one item per engine step
+    add.remote(group_id, requests) ──────────► AsyncLLMEngine.add_requests
+        reply ◄── ("added", None) | ("invalid", message) | ("dead", message)
+    outputs.remote() (one stream per replica, opened once)
+        ◄── [(group_id, index, RequestOutput) | (group_id, END, error or None), ...]
+            one item per engine step, every group's outputs of that step together
     abort.remote(group_id) ──────────────────► the group's requests leave the batch
+
+Why one stream for every group: a Ray streaming call per request costs a task launch, and
+each of its items an object-store round trip; with many requests in flight the ingress
+spent its CPU on them (two cores shared with the replicas). One stream per replica moves a
+whole step's outputs in one item.
 
 The class is plain Python; `ray.remote` turns it into an actor where it is started
 (replica_set.py), so this module imports no Ray. Its async methods run on the actor's event
@@ -26,6 +33,9 @@ from pagedserve.engine_args import EngineArgs
 from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
+# The item that ends a group in the outputs stream: (group_id, END, None or an error message).
+END = -1
+
 
 class _Aborted(Exception):
     """Put into an aborted group's queue so its stream ends at once."""
@@ -44,6 +54,9 @@ class EngineReplica:
         self.engine = AsyncLLMEngine(LLMEngine(engine_args.create_engine_config()))
         self._groups: dict[str, RequestGroup] = {}
         self._aborted: set[str] = set()
+        self._outbox: list[tuple[str, int, Any]] = []
+        self._ready = asyncio.Event()
+        self._forwarders: set[asyncio.Task[None]] = set()
 
     def _ensure_started(self) -> None:
         if self.engine._thread is None:
@@ -67,48 +80,61 @@ class EngineReplica:
         self._ensure_started()
         return self.engine.stats, self.engine.health()
 
-    async def generate(
+    async def add(
         self,
         group_id: str,
         requests: list[tuple[PromptInput | EngineInput, SamplingParams | None]],
         lora_request: LoRARequest | None = None,
         priority: int = 0,
-    ) -> AsyncIterator[tuple[str, Any]]:
-        """Streams the group: an acknowledgement (or the validation error), then one batch per step."""
+    ) -> tuple[str, str | None]:
+        """Queues the group; its outputs come through `outputs`. ("added" | "invalid" | "dead", message)."""
         self._ensure_started()
         try:
             group = await self.engine.add_requests(requests, group_id=group_id, lora_request=lora_request,
                                                   priority=priority)
         except ValueError as exc:
-            yield "invalid", str(exc)
-            return
+            return "invalid", str(exc)
         except EngineDeadError as exc:
-            yield "dead", str(exc)
-            return
-        self._groups[group_id] = group
-        if group_id in self._aborted:
+            return "dead", str(exc)
+        if group_id in self._aborted:  # the abort overtook the add
+            self._aborted.discard(group_id)
             group.abort()
-            self._groups.pop(group_id, None)
-            return
-        yield "added", None
+            return "added", None  # the ingress has dropped it already
+        self._groups[group_id] = group
+        task = asyncio.get_running_loop().create_task(self._forward(group_id, group))
+        self._forwarders.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._forwarders.discard)
+        return "added", None
+
+    async def _forward(self, group_id: str, group: RequestGroup) -> None:
+        """Moves one group's outputs into the outbox, then its END item."""
+        error: str | None = None
         try:
             async with group:
-                batch: list[Any] = []
-                async for item in group:
-                    batch.append(item)
-                    # Outputs of one step arrive together; send them as one stream item.
-                    if group._queue.empty():
-                        yield "outputs", batch
-                        batch = []
-                if batch:
-                    yield "outputs", batch
+                async for index, output in group:
+                    self._post((group_id, index, output))
         except _Aborted:
-            return
-        except EngineDeadError as exc:
-            yield "dead", str(exc)
+            pass
+        except Exception as exc:  # noqa: BLE001 - EngineDeadError or a request's own failure
+            error = str(exc) or repr(exc)
         finally:
             self._groups.pop(group_id, None)
-            self._aborted.discard(group_id)
+            self._post((group_id, END, error))
+
+    def _post(self, item: tuple[str, int, Any]) -> None:
+        self._outbox.append(item)
+        self._ready.set()
+
+    async def outputs(self) -> AsyncIterator[list[tuple[str, int, Any]]]:
+        """Every group's outputs, one list per wake-up (an engine step hands its outputs to the
+        event loop at once, so a list is usually one step). The ingress holds one open."""
+        self._ensure_started()
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            batch, self._outbox = self._outbox, []
+            if batch:
+                yield batch
 
     async def abort(self, group_id: str) -> None:
         """Ends the group's stream and frees its requests' blocks before the next step."""

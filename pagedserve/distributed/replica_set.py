@@ -4,15 +4,17 @@
 returning a `RequestGroup`, `abort`, `stats`, `health`, `num_waiting`, `tokenizer`, ...), so
 the FastAPI handlers do not know whether one engine or N replicas serve them.
 
-    add_requests ─► router.route(prompt head / adapter) ─► replica.generate (Ray stream)
-                       ▲ in-flight counts                      │ ack, then one item per step
-                       └──────────── pump task ◄───────────────┘ ─► RequestGroup (event loop)
+    add_requests ─► router.route(prompt head / adapter) ─► replica.add (one Ray call: ack)
+                       ▲ in-flight counts
+    one pump task per replica ◄── replica.outputs (one Ray stream, opened once: a list of
+                                  every group's outputs per engine step) ─► RequestGroups
 
 A replica that dies is restarted by Ray (`max_restarts`); meanwhile the router skips it. A
 group it was serving is re-sent to another replica if none of its outputs had reached the
 caller yet, else it fails with `EngineDeadError` (a 503 or an SSE error chunk). A poll task
 reads every replica's statistics twice a second: the aggregate feeds the server's metrics,
-and a replica answering again is marked up (its adapters registered again first).
+and a replica answering again is marked up (its adapters registered again first); its pump
+then opens a new outputs stream.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 from pagedserve.core.scheduler import SchedulerStats
 from pagedserve.distributed.metrics import ReplicaMetrics
-from pagedserve.distributed.replica import EngineReplica
+from pagedserve.distributed.replica import END, EngineReplica
 from pagedserve.distributed.router import ReplicaRouter, RouterConfig
 from pagedserve.engine.async_engine import EngineDeadError, EngineObserver, RequestGroup
 from pagedserve.engine.input_processor import EngineInput, InputProcessor
@@ -59,7 +61,6 @@ class _Flight:
     streamed: bool = False
     # Per (request, sample) of the group: each sample of an n > 1 request has its own times.
     last_token_time: dict[tuple[int, int], float] = field(default_factory=dict)
-    task: asyncio.Task[None] | None = None
 
 
 class ReplicaSetEngine:
@@ -121,6 +122,10 @@ class ReplicaSetEngine:
         self._flights: dict[str, _Flight] = {}
         self._ids = itertools.count()
         self._poll_task: asyncio.Task[None] | None = None
+        self._pumps: list[asyncio.Task[None]] = []
+        # Bumped each time a replica's outputs stream fails: a group acknowledged by a replica
+        # that was lost meanwhile is handled as lost too.
+        self._lost_count = [0] * num_replicas
         self._stopping = False
         self._started = False
 
@@ -137,6 +142,7 @@ class ReplicaSetEngine:
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         loop = loop or asyncio.get_running_loop()
         self._poll_task = loop.create_task(self._poll_forever())
+        self._pumps = [loop.create_task(self._pump(i)) for i in range(len(self.replicas))]
         self._started = True
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -146,10 +152,11 @@ class ReplicaSetEngine:
         self._stopping = True
         if self._poll_task is not None:
             self._poll_task.cancel()
+        for pump in self._pumps:
+            pump.cancel()
         for flight in list(self._flights.values()):
-            if flight.task is not None:
-                flight.task.cancel()
             flight.group.put(EngineDeadError("the server is shutting down"))
+        self._flights.clear()
         for replica in self.replicas:
             self._ray.kill(replica, no_restart=True)
 
@@ -189,9 +196,12 @@ class ReplicaSetEngine:
             RequestGroup(self, ids), requests, lora_request, self._prompt_token_ids(requests[0][0]),
             arrival_time if arrival_time is not None else time.monotonic(), priority,
         )
-        stream = await self._submit(group_id, flight, frozenset())
-        self._flights[group_id] = flight
-        flight.task = asyncio.ensure_future(self._pump(group_id, flight, stream))
+        self._flights[group_id] = flight  # before the add: its outputs may overtake the reply
+        try:
+            await self._submit(group_id, flight, frozenset())
+        except BaseException:
+            self._flights.pop(group_id, None)
+            raise
         return flight.group
 
     def _prompt_token_ids(self, prompt: PromptInput | EngineInput) -> list[int] | None:
@@ -207,82 +217,120 @@ class ReplicaSetEngine:
             return None
         return self.tokenizer.encode(prompt)
 
-    async def _submit(self, group_id: str, flight: _Flight, exclude: frozenset[int]) -> Any:
+    async def _submit(self, group_id: str, flight: _Flight, exclude: frozenset[int]) -> None:
         """Sends the group to a replica and waits for its acknowledgement; tries the others
-        when a replica fails before acknowledging. Returns the replica's output stream."""
+        when a replica fails before acknowledging. Its outputs then come through the pump."""
         ray = self._ray
         adapter = flight.lora_request.lora_name if flight.lora_request is not None else None
+        size = len(flight.requests)
         while True:
             try:
                 route = self.router.route(flight.prompt_token_ids, adapter, exclude)
             except RuntimeError as exc:
                 raise EngineDeadError(str(exc)) from None
             replica = route.replica
-            stream = self.replicas[replica].generate.options(num_returns="streaming").remote(
-                group_id, flight.requests, flight.lora_request, flight.priority)
-            self.router.started(replica, len(flight.requests))
+            lost_before = self._lost_count[replica]
+            self.router.started(replica, size)
             try:
-                kind, payload = await (await stream.__anext__())
+                kind, payload = await _as_future(self.replicas[replica].add.remote(
+                    group_id, flight.requests, flight.lora_request, flight.priority))
             except ray.exceptions.RayError as exc:
-                self.router.finished(replica, len(flight.requests))
+                self.router.finished(replica, size)
                 self._replica_failed(replica, exc)
                 self.metrics.retried(replica)
                 exclude = exclude | {replica}
                 continue
+            except asyncio.CancelledError:  # the caller went away: the add may still land
+                self.router.finished(replica, size)
+                self.replicas[replica].abort.remote(group_id)
+                raise
             if kind != "added":
-                self.router.finished(replica, len(flight.requests))
+                self.router.finished(replica, size)
                 if kind == "invalid":
                     raise ValueError(payload)
                 raise EngineDeadError(payload)
+            if self._lost_count[replica] != lost_before and not flight.streamed:
+                # Its outputs stream failed while the reply travelled: nothing will come from there.
+                self.router.finished(replica, size)
+                self.metrics.retried(replica)
+                exclude = exclude | {replica}
+                continue
             flight.replica = replica
             self.metrics.routed_to(replica, route.reason)
-            return stream
+            return
 
-    async def _pump(self, group_id: str, flight: _Flight, stream: Any) -> None:
-        """Moves a replica's outputs into the group; re-routes it if its replica dies early."""
+    async def _pump(self, replica: int) -> None:
+        """Reads one replica's outputs stream into its groups; after a failure, waits until the
+        replica answers the poll again and opens a new stream."""
         ray = self._ray
-        try:
-            while True:
-                try:
-                    async for ref in stream:
-                        kind, payload = await ref
-                        if kind == "dead":
-                            raise EngineDeadError(payload)
-                        self._deliver(flight, payload)
-                    return
-                except ray.exceptions.RayError as exc:
-                    failed = flight.replica
-                    self.router.finished(failed, len(flight.requests))
-                    flight.replica = -1
-                    self._replica_failed(failed, exc)
-                    if flight.streamed:
-                        raise EngineDeadError(f"replica {failed} died while serving this request") from None
-                    self.metrics.retried(failed)
-                    stream = await self._submit(group_id, flight, frozenset({failed}))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every failure ends the group, never the ingress
-            flight.group.put(exc if isinstance(exc, EngineDeadError) else EngineDeadError(repr(exc)))
-        finally:
-            if flight.replica >= 0:
-                self.router.finished(flight.replica, len(flight.requests))
-            self._flights.pop(group_id, None)
+        while not self._stopping:
+            stream = self.replicas[replica].outputs.options(num_returns="streaming").remote()
+            try:
+                async for ref in stream:
+                    self._dispatch(await ref)
+            except ray.exceptions.RayError as exc:
+                self._replica_lost(replica, exc)
+            except Exception:  # noqa: BLE001 - the pump must outlive any one bad item
+                logger.exception("replica %d: outputs stream failed", replica)
+            await asyncio.sleep(POLL_INTERVAL_S)
+            while not self._stopping and not self.router.up[replica]:
+                await asyncio.sleep(POLL_INTERVAL_S)
 
-    def _deliver(self, flight: _Flight, batch: list[tuple[int, RequestOutput]]) -> None:
+    def _dispatch(self, batch: list[tuple[str, int, Any]]) -> None:
+        for group_id, index, payload in batch:
+            flight = self._flights.get(group_id)
+            if flight is None:  # aborted, or failed over to another replica
+                continue
+            if index == END:
+                self._end_flight(group_id, flight)
+                if payload is not None:
+                    flight.group.put(EngineDeadError(payload))
+            else:
+                self._deliver(flight, index, payload)
+
+    def _end_flight(self, group_id: str, flight: _Flight) -> None:
+        self._flights.pop(group_id, None)
+        if flight.replica >= 0:
+            self.router.finished(flight.replica, len(flight.requests))
+            flight.replica = -1
+
+    def _replica_lost(self, replica: int, exc: BaseException) -> None:
+        """A replica's stream failed: its groups fail, or go elsewhere if nothing was streamed."""
+        self._lost_count[replica] += 1
+        self._replica_failed(replica, exc)
+        for group_id, flight in list(self._flights.items()):
+            if flight.replica != replica:
+                continue
+            self.router.finished(replica, len(flight.requests))
+            flight.replica = -1
+            if flight.streamed:
+                self._flights.pop(group_id, None)
+                flight.group.put(EngineDeadError(f"replica {replica} died while serving this request"))
+            else:
+                self.metrics.retried(replica)
+                asyncio.ensure_future(self._resubmit(group_id, flight, replica))
+
+    async def _resubmit(self, group_id: str, flight: _Flight, failed: int) -> None:
+        try:
+            await self._submit(group_id, flight, frozenset({failed}))
+        except Exception as exc:  # noqa: BLE001 - every failure ends the group, never the ingress
+            self._flights.pop(group_id, None)
+            flight.group.put(exc if isinstance(exc, EngineDeadError) else EngineDeadError(repr(exc)))
+
+    def _deliver(self, flight: _Flight, index: int, output: RequestOutput) -> None:
         now = time.monotonic()
-        for index, output in batch:
-            flight.streamed = True
-            if not any(key[0] == index for key in flight.last_token_time):
-                self.observer.on_first_token(now - flight.arrival_time, len(output.prompt_token_ids))
-            for completion in output.outputs:
-                last = flight.last_token_time.get((index, completion.index))
-                self.observer.on_tokens(None if last is None else now - last, len(completion.token_ids))
-                flight.last_token_time[index, completion.index] = now
-            if output.finished:
-                self.observer.on_finished(now - flight.arrival_time, output.outputs[0].finish_reason or "stop")
-                if output.metrics is not None:  # the replica's own clock: only differences are used
-                    self.observer.on_request_metrics(output.metrics)
-            flight.group.put((index, output))
+        flight.streamed = True
+        if not any(key[0] == index for key in flight.last_token_time):
+            self.observer.on_first_token(now - flight.arrival_time, len(output.prompt_token_ids))
+        for completion in output.outputs:
+            last = flight.last_token_time.get((index, completion.index))
+            self.observer.on_tokens(None if last is None else now - last, len(completion.token_ids))
+            flight.last_token_time[index, completion.index] = now
+        if output.finished:
+            self.observer.on_finished(now - flight.arrival_time, output.outputs[0].finish_reason or "stop")
+            if output.metrics is not None:  # the replica's own clock: only differences are used
+                self.observer.on_request_metrics(output.metrics)
+        flight.group.put((index, output))
 
     def _replica_failed(self, replica: int, exc: BaseException) -> None:
         if self.router.up[replica]:
@@ -298,8 +346,7 @@ class ReplicaSetEngine:
             return
         if flight.replica >= 0:
             self.replicas[flight.replica].abort.remote(group_id)
-        if flight.task is not None:
-            flight.task.cancel()
+        self._end_flight(group_id, flight)
 
     # ---- statistics and health -----------------------------------------------------------------
 
