@@ -23,9 +23,13 @@ from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.models.layers import fused_ops
 from pagedserve.models.layers.activation import SiluAndMul
 from pagedserve.models.layers.attention import Attention
-from pagedserve.models.layers.embedding import LMHead, VocabEmbedding
+from pagedserve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.models.layers.layernorm import RMSNorm
-from pagedserve.models.layers.linear import MergedLinear, QKVLinear, ReplicatedLinear
+from pagedserve.models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from pagedserve.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 
@@ -42,13 +46,14 @@ class LlamaAttention(nn.Module):
         self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = num_kv_heads_of(config)
         self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias
+        total_heads = config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, total_heads, num_kv_heads_of(config), qkv_bias
         )
-        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, config.hidden_size, o_bias)
+        # This rank's heads (all of them with one rank).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, o_bias)
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx
         )
@@ -72,8 +77,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         # Output rows | gate | up |, shards 0 and 1.
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias)
-        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +117,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, biases: tuple[bool, bool, bool]) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, biases) for i in range(config.num_hidden_layers)
         )
@@ -146,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         self.check_config(config)
         self.config = config
         self.model = LlamaModel(config, self.biases(config))
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)
 
@@ -175,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (n, hidden_size) -> logits (n, vocab_size), float32."""
+        """hidden (n, hidden_size) -> logits (n, vocab_size), float32 (None on ranks > 0)."""
         return self.lm_head(hidden)
 
 

@@ -41,10 +41,11 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from pagedserve import envs
+from pagedserve.distributed.parallel_state import TPGroup, check_tensor_parallel_size, tensor_parallel
 from pagedserve.models.gguf import gguf_weight_types, iter_gguf_tensors, load_gguf_config
 from pagedserve.models.hub import is_gguf
 from pagedserve.models.layers.embedding import LMHead
-from pagedserve.models.layers.linear import LinearBase, default_weight_loader
+from pagedserve.models.layers.linear import LinearBase, RowParallelLinear, default_weight_loader
 from pagedserve.models.registry import get_model_class
 from pagedserve.quantization import PER_CHANNEL, QuantizationConfig, UnquantizedLinearMethod
 from pagedserve.quantization.packed import PACKED, onednn_available
@@ -61,10 +62,13 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     quantization: QuantizationConfig | None = None,
+    tp: TPGroup | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Build the model for the folder's config on `device` in `dtype` and load its weights.
 
     With `quantization`, linear weights are quantized while loading (see module docstring).
+    With a tensor-parallel group `tp`, this rank's shard is built and loaded (every rank reads
+    the full checkpoint and narrows each tensor), then quantized: each rank quantizes its shard.
 
     Raises:
         ValueError: unsupported dtype, architecture (names it, lists the supported ones),
@@ -81,7 +85,9 @@ def load_model(
     if not architectures:
         raise ValueError(f"{path / 'config.json'} names no 'architectures'")
     model_cls = get_model_class(architectures[0])
-    with _default_dtype(dtype), torch.device(device):
+    if tp is not None:
+        check_tensor_parallel_size(config, tp.size)
+    with _default_dtype(dtype), torch.device(device), tensor_parallel(tp):
         model = model_cls(config)
         if quantization is not None:
             attach_quant_methods(model, quantization, torch.device(device))
@@ -141,6 +147,7 @@ def attach_quant_methods(
         )
         if not wanted:
             continue
+        _check_groups_within_shard(name, module, quantization)
         if method.supports(module):
             module.set_quant_method(method)
         else:
@@ -150,6 +157,21 @@ def attach_quant_methods(
         logger.warning(
             "%s kernel cannot take these layers' shapes; they use %s: %s",
             method.name, fallback.name, ", ".join(fell_back),
+        )
+
+
+def _check_groups_within_shard(name: str, module: nn.Module, quantization: QuantizationConfig) -> None:
+    """A row-parallel layer's shard must hold whole quantization groups: a group straddling
+    two ranks' columns would need both halves to compute its scale."""
+    if not isinstance(module, RowParallelLinear) or module.tp.size == 1:
+        return
+    group = quantization.effective_group_size
+    if group != PER_CHANNEL and module.total_input_size % group == 0 and module.input_size % group:
+        raise ValueError(
+            f"quantization_group_size={group} does not divide {name}'s input shard of "
+            f"{module.input_size} columns (input {module.total_input_size} / tensor_parallel_size="
+            f"{module.tp.size}): its groups would straddle two ranks; use a smaller group size "
+            "or another tensor_parallel_size"
         )
 
 

@@ -24,9 +24,14 @@ from transformers import PretrainedConfig
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.models.layers.activation import get_activation
 from pagedserve.models.layers.attention import Attention
-from pagedserve.models.layers.embedding import LMHead, VocabEmbedding
+from pagedserve.models.layers.embedding import ParallelLMHead, VocabEmbedding, VocabParallelEmbedding
 from pagedserve.models.layers.layernorm import LayerNorm
-from pagedserve.models.layers.linear import QKVLinear, ReplicatedLinear
+from pagedserve.models.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 
 POSITION_OFFSET = 2  # OPT's learned positions are looked up at position + 2
 
@@ -34,11 +39,12 @@ POSITION_OFFSET = 2  # OPT's learned positions are looked up at position + 2
 class OPTAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
-        hidden, self.num_heads = config.hidden_size, config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
+        hidden, total_heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = hidden // total_heads
         bias = config.enable_bias
-        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_heads, bias)
-        self.out_proj = ReplicatedLinear(hidden, hidden, bias)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_heads, bias)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.out_proj = RowParallelLinear(hidden, hidden, bias)
         # Like Hugging Face, q is scaled before the product (same rounding) and SDPA uses 1.
         self.scaling = self.head_dim**-0.5
         self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, 1.0, layer_idx)
@@ -58,8 +64,8 @@ class OPTDecoderLayer(nn.Module):
         self.pre_norm = bool(config.do_layer_norm_before)
         self.self_attn = OPTAttention(config, layer_idx)
         self.self_attn_layer_norm = LayerNorm(hidden, elementwise_affine=affine)
-        self.fc1 = ReplicatedLinear(hidden, config.ffn_dim, config.enable_bias)
-        self.fc2 = ReplicatedLinear(config.ffn_dim, hidden, config.enable_bias)
+        self.fc1 = ColumnParallelLinear(hidden, config.ffn_dim, config.enable_bias)
+        self.fc2 = RowParallelLinear(config.ffn_dim, hidden, config.enable_bias)
         self.activation_fn = get_activation(config.activation_function)
         self.final_layer_norm = LayerNorm(hidden, elementwise_affine=affine)
 
@@ -80,7 +86,7 @@ class OPTDecoder(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         hidden, proj = config.hidden_size, config.word_embed_proj_dim
-        self.embed_tokens = VocabEmbedding(config.vocab_size, proj)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj)
         self.embed_positions = VocabEmbedding(
             config.max_position_embeddings + POSITION_OFFSET, hidden
         )
@@ -130,7 +136,7 @@ class OPTForCausalLM(nn.Module):
         self.check_config(config)
         self.config = config
         self.model = OPTModel(config)
-        self.lm_head = LMHead(config.vocab_size, config.word_embed_proj_dim)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.word_embed_proj_dim)
         if getattr(config, "tie_word_embeddings", True):
             self.lm_head.tie_to(self.model.decoder.embed_tokens)
 

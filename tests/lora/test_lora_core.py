@@ -542,7 +542,7 @@ def test_lora_linear_over_a_packed_base_equals_the_two_ops(model_path, monkeypat
     from torch import nn
 
     from pagedserve.lora.layers import LoRALinear, lora_step
-    from pagedserve.models.layers.linear import MergedLinear
+    from pagedserve.models.layers.linear import MergedColumnParallelLinear
     from pagedserve.quantization.packed import PACKED, onednn_available
 
     if not onednn_available():
@@ -559,7 +559,7 @@ def test_lora_linear_over_a_packed_base_equals_the_two_ops(model_path, monkeypat
     # The one-op path multiplies through oneDNN at every row count; without the decode GEMV's
     # copy the base layer does too, so the two can be compared bit for bit.
     monkeypatch.setenv("PAGEDSERVE_GEMV", "off")
-    layer = MergedLinear(hidden, [inter, inter], bias=True)
+    layer = MergedColumnParallelLinear(hidden, [inter, inter], bias=True)
     layer.set_quant_method(PACKED)
     layer.weight = nn.Parameter(torch.randn(2 * inter, hidden) / hidden**0.5, requires_grad=False)
     layer.bias = nn.Parameter(torch.randn(2 * inter), requires_grad=False)
