@@ -117,6 +117,17 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    # Ranks one model is split over (worker processes, torch.distributed; see
+    # distributed/tp_workers.py). Whether the model's heads split this way is checked at load.
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+
+
 _LORA_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -192,8 +203,15 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # None: LoRA off
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if self.lora is not None and self.parallel.tensor_parallel_size > 1:
+            # The LoRA kernel reads adapters whole from the KV pool; sharding them (S-LoRA's
+            # shrink on the input shard / expand on the output shard) is not built yet.
+            raise ValueError(
+                f"enable_lora is not supported with tensor_parallel_size={self.parallel.tensor_parallel_size} "
+                "(LoRA adapters are not sharded yet); use tensor_parallel_size=1")
         if self.speculative is not None and (
             self.cache.kv_allocation != "paged" or self.scheduler.batching != "continuous"
         ):

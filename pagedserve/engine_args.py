@@ -223,6 +223,11 @@ class EngineArgs:
     data_parallel_size: int = field(default=1, metadata=_setting(
         "engine replicas behind one endpoint (each a full engine; needs "
         "--distributed-executor-backend ray)", group="distributed", aliases=("-dp",)))
+    tensor_parallel_size: int = field(default=1, metadata=_setting(
+        "split one model over N ranks: rank 0 in the engine process, N-1 worker processes it starts "
+        "(torch.distributed: gloo on CPU, NCCL on CUDA); heads, MLP and vocabulary are sharded",
+        group="distributed", aliases=("-tp",),
+        vllm="same; not with --enable-lora yet; on CPU the ranks share the host's cores"))
     distributed_executor_backend: str | None = field(default=None, metadata=_setting(
         "where replicas run: ray (a local Ray cluster, or the one RAY_ADDRESS names)",
         group="distributed", choices=("ray",)))
@@ -303,6 +308,7 @@ class EngineArgs:
             EngineConfig,
             LoRAConfig,
             ModelConfig,
+            ParallelConfig,
             SchedulerConfig,
         )
         from pagedserve.spec_decode.config import SpeculativeConfig
@@ -357,6 +363,7 @@ class EngineArgs:
             if self.enable_lora else None,
             speculative=SpeculativeConfig.from_value(self.speculative_config),
             structured_outputs=self._structured_outputs_config(),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
         )
 
     def _structured_outputs_config(self) -> Any:

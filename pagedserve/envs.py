@@ -17,6 +17,9 @@ fails the engine's construction (`cpp_build.KernelUnavailable`); unset, a fallba
                                    decode-sized (<= 8 rows) linear layers through the C++
                                    GEMV kernel, which keeps one more copy of the weights
                                    (see quantization/gemv.py)
+    PAGEDSERVE_TP_TIMEOUT_S        seconds (default 120): tensor parallelism's start-up and
+                                   collective timeout; a rank that stops answering fails the
+                                   step after this long (a rank that dies fails it at once)
     LRU_CACHE_CAPACITY,            PyTorch's and oneDNN's per-shape primitive caches; `pagedserve`
     ONEDNN_PRIMITIVE_CACHE_CAPACITY  sets both to 64 unless exported (see bound_native_caches)
     TORCH_EXTENSIONS_DIR           build cache for C++ extensions (torch's own variable);
@@ -79,6 +82,17 @@ def gemv() -> GemvName | None:
     """Whether decode-sized linear layers use the C++ GEMV kernel ("off", forced "cpp"), or
     None for automatic."""
     return _choice("PAGEDSERVE_GEMV", _GEMV)  # type: ignore[return-value]
+
+
+def tp_timeout_s() -> float:
+    value = os.environ.get("PAGEDSERVE_TP_TIMEOUT_S", "").strip()
+    try:
+        seconds = float(value) if value else 120.0
+    except ValueError:
+        raise ValueError(f"PAGEDSERVE_TP_TIMEOUT_S must be a number of seconds; got {value!r}") from None
+    if seconds <= 0:
+        raise ValueError(f"PAGEDSERVE_TP_TIMEOUT_S must be > 0; got {value!r}")
+    return seconds
 
 
 def torch_extensions_dir() -> pathlib.Path:

@@ -297,9 +297,11 @@ class AsyncLLMEngine:
             logger.exception("engine loop died")
             self._error = exc
             self._fail_all(EngineDeadError(f"the engine loop died: {exc!r}"))
+            self.engine.shutdown()  # tensor-parallel workers: they cannot go on without it
             return
         self.engine.abort_request(list(self._tracked))
         self._fail_all(EngineDeadError("the server is shutting down"))
+        self.engine.shutdown()
 
     def _process_commands(self, block: bool) -> bool:
         """Applies queued commands; False once a stop command arrived."""

@@ -11,12 +11,15 @@ from typing import Any
 
 import torch
 
+from pagedserve import envs
 from pagedserve.beam_search import BeamSearchParams
 from pagedserve.config import EngineConfig
 from pagedserve.core.factory import build_kv_manager, build_scheduler
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.core.scheduler import PreemptionPolicy, SchedulerStats
+from pagedserve.distributed.parallel_state import check_tensor_parallel_size
+from pagedserve.distributed.tp_workers import TPWorkers, WorkerSpec, worker_threads
 from pagedserve.dtypes import lora_dtype
 from pagedserve.engine import registry
 from pagedserve.engine.beam_search import BeamSearchDriver
@@ -93,13 +96,23 @@ class LLMEngine:
         self.source = resolve_model_source(model_cfg, self.device)
         self.tokenizer = None if self.source.tokenizer is None else load_tokenizer(self.source.tokenizer)
         model_dtype = self.source.dtype
-        self.runner = ModelRunner(
-            self.source.path, model_dtype, self.device, config.cache.block_size,
-            quantization=model_cfg.quant_config(),
-            kv_cache_dtype=config.cache.kv_cache_dtype,
-            lora_dtype=lora_dtype(config.lora, model_dtype) if config.lora else None,
-            faults=faults,
-        )
+        # Ranks 1..N-1 of a tensor-parallel model (None with one rank); stopped by `shutdown`.
+        self.tp_workers = self._start_tp_workers(model_dtype)
+        try:
+            self.runner = ModelRunner(
+                self.source.path, model_dtype, self.device, config.cache.block_size,
+                quantization=model_cfg.quant_config(),
+                kv_cache_dtype=config.cache.kv_cache_dtype,
+                lora_dtype=lora_dtype(config.lora, model_dtype) if config.lora else None,
+                faults=faults,
+                tp_group=self.tp_workers.group if self.tp_workers is not None else None,
+                tp_workers=self.tp_workers,
+            )
+            if self.tp_workers is not None:
+                self.tp_workers.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
         hf_config = self.runner.hf_config
         self.vocab_size = self.runner.vocab_size
         # Width of an embedding (LLM.embed, /v1/embeddings): the final hidden state.
@@ -146,6 +159,32 @@ class LLMEngine:
         self._last_step_tokens = 0
         registry.register(self)
         self._step_hooks: list[StepHook] = []
+
+    def _start_tp_workers(self, dtype: torch.dtype) -> TPWorkers | None:
+        """Spawns ranks 1..N-1 (tensor_parallel_size N > 1); each loads its own shard."""
+        size = self.config.parallel.tensor_parallel_size
+        if size == 1:
+            return None
+        # Refused before any process starts: the heads and the MLP must split evenly.
+        check_tensor_parallel_size(self.source.hf_config, size)
+        if self.device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(
+                f"tensor_parallel_size={size} needs {size} CUDA devices, found {torch.cuda.device_count()}")
+        timeout_s = envs.tp_timeout_s()
+        spec = WorkerSpec(
+            model_path=str(self.source.path), dtype=dtype, device_type=self.device.type,
+            block_size=self.config.cache.block_size, quantization=self.config.model.quant_config(),
+            kv_cache_dtype=self.config.cache.kv_cache_dtype, tp_size=size, store_port=0,
+            timeout_s=timeout_s, num_threads=worker_threads(size),
+        )
+        logger.info("tensor parallelism: starting %d worker processes", size - 1)
+        return TPWorkers(spec, self.device, timeout_s)
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel worker processes (idempotent; nothing to do with one
+        rank). The engine cannot step afterwards."""
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
 
     def _default_kv_cache_bytes(self) -> int:
         utilization = self.config.cache.memory_utilization
@@ -573,6 +612,13 @@ class LLMEngine:
         self.kv_manager.assert_all_free(adapter_blocks)
         if self.speculator is not None and self.speculator.draft is not None:
             self.speculator.draft.kv.assert_all_free()
+        if self.tp_workers is not None and self.tp_workers.alive:
+            # The block accounting lives here only; the workers must hold nothing between steps.
+            for rank, state in enumerate(self.tp_workers.query_state(), start=1):
+                assert not state["holds_step"], f"tensor-parallel rank {rank} still holds a step's tensors"
+                assert state["generators"] == 0, f"tensor-parallel rank {rank} holds sampling generators"
+                assert state["num_blocks"] == self.num_blocks, (
+                    f"tensor-parallel rank {rank} has {state['num_blocks']} KV blocks, rank 0 {self.num_blocks}")
 
 
 def _with_max_tokens(params: BeamSearchParams, max_tokens: int) -> BeamSearchParams:

@@ -6,6 +6,11 @@ It is the only place that builds tensors for a step. Per step:
              -> attention metadata (backend-specific, built once, shared by all layers)
              -> model forward over the flat batch -> logits for the rows due a token
              -> sampler -> one .tolist() at the end
+
+Tensor parallelism: rank 0's runner (in the engine process) hands every step's plain-data
+inputs (`StepBatch`, block copies) and each LM-head call's rows to the other ranks through
+`tp_workers` (distributed/tp_workers.py) before running them itself; ranks > 0 run
+`execute_worker_step` (worker/tp_worker.py). Only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from pagedserve.worker.prompt_logprobs import (
 
 if TYPE_CHECKING:
     from pagedserve.core.sched_output import ScheduledRequest
+    from pagedserve.distributed.parallel_state import TPGroup
+    from pagedserve.distributed.tp_workers import TPWorkers
     from pagedserve.engine.faults import FaultInjector
     from pagedserve.sample.metadata import SamplingMetadata
 
@@ -71,6 +78,23 @@ def _attention_backend(device: torch.device, kv_dtype: torch.dtype) -> Attention
         f"kv_cache_dtype='int8' is not supported by the {backend.name!r} attention backend "
         "(PAGEDSERVE_ATTENTION_BACKEND); use kv_cache_dtype='auto' or the torch backend"
     )
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """A step's flat inputs as host lists: what `_batch_tensors` turns into tensors (and
+    what rank 0 sends the other tensor-parallel ranks)."""
+
+    token_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    logits_indices: list[int]
+    block_tables: list[list[int]]  # per request, padded with block 0 to the longest
+
+
+# (swap out, swap in, copy) block pairs, applied in that order before the forward.
+BlockOps = tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]
 
 
 @dataclass(slots=True)
@@ -114,14 +138,19 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         lora_dtype: torch.dtype | None = None,
         faults: FaultInjector | None = None,
+        tp_group: TPGroup | None = None,
+        tp_workers: TPWorkers | None = None,
     ) -> None:
+        """`tp_group`: this rank's tensor-parallel group (None: one rank); `tp_workers`: on
+        rank 0, the other ranks' processes, sent every step."""
         self.device = device
+        self.tp_workers = tp_workers
         self.faults = faults
         self.dtype = dtype
         self.block_size = block_size
         self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
         self.backend = _attention_backend(device, self.kv_dtype)
-        self.model, self.hf_config = load_model(model_path, dtype, device, quantization)
+        self.model, self.hf_config = load_model(model_path, dtype, device, quantization, tp_group)
         self.model.eval()
         self.attn_layers = sorted(
             (m for m in self.model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx
@@ -154,6 +183,8 @@ class ModelRunner:
         Not zeroed: a swap block is only read after a swap-out wrote it, and untouched
         pages cost no memory.
         """
+        if self.tp_workers is not None:
+            self.tp_workers.send(("swap_space", num_blocks))
         spec = self.kv_cache_spec()
         shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.last_dim)
         pin = self.device.type == "cuda"
@@ -162,6 +193,9 @@ class ModelRunner:
         ] if num_blocks > 0 else []
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Every rank's cache gets the same block ids: the scheduler's ids index them all."""
+        if self.tp_workers is not None:
+            self.tp_workers.send(("kv_cache", num_blocks))
         self.kv_caches = allocate_kv_caches(self.kv_cache_spec(), num_blocks, self.device)
         for layer, cache in zip(self.attn_layers, self.kv_caches, strict=True):
             layer.kv_cache = cache
@@ -181,6 +215,9 @@ class ModelRunner:
         forward (None removes it). `forward(segments)` runs the model once on the step's
         inputs with those LoRA segments (`lora_segments(sched)`: the step's own) and returns
         its hidden states; the hook returns the hidden states the step goes on with."""
+        if hook is not None and self.tp_workers is not None:
+            # The other ranks run exactly one forward per step, in lockstep with this one.
+            raise ValueError("forward hooks are not supported with tensor_parallel_size > 1")
         self._forward_hook = hook
 
     def lora_segments(self, sched: SchedulerOutput) -> LoRASegments | None:
@@ -197,17 +234,24 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_ids:
             self.generators.pop(request_id, None)
-        # Order matters: a block swapped out may be reused by a swap-in or a CoW copy.
-        if sched.blocks_to_swap_out:
-            self._copy_blocks(sched.blocks_to_swap_out, self.kv_caches, self.swap_caches)
-        if sched.blocks_to_swap_in:
-            self._copy_blocks(sched.blocks_to_swap_in, self.swap_caches, self.kv_caches)
-        if sched.blocks_to_copy:
-            self._copy_blocks(sched.blocks_to_copy, self.kv_caches, self.kv_caches)
-        if sched.is_empty:
-            return ModelRunnerOutput([], [])
         start = time.perf_counter()
-        input_ids, positions, common, logits_indices = self._prepare_inputs(sched)
+        blocks: BlockOps = (sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
+        batch = None if sched.is_empty else self._step_batch(sched)
+        if self.tp_workers is None:
+            return self._execute(sched, blocks, batch, start)
+        self.tp_workers.send(("step", blocks, batch))
+        out = self._execute(sched, blocks, batch, start)
+        # Not on failure: a step that raises stops the engine (and its workers) anyway.
+        self.tp_workers.send(("step_done",))
+        return out
+
+    def _execute(
+        self, sched: SchedulerOutput, blocks: BlockOps, batch: StepBatch | None, start: float
+    ) -> ModelRunnerOutput:
+        self._apply_block_ops(blocks)
+        if batch is None:
+            return ModelRunnerOutput([], [])
+        input_ids, positions, common, logits_indices = self._batch_tensors(batch)
         attn_metadata = self.backend.build_metadata(common)
         if self._forward_hook is None:
             lora_segments = self.lora_segments(sched)
@@ -223,7 +267,8 @@ class ModelRunner:
 
             hidden = self._forward_hook(sched, forward)
         plan = plan_prompt_logprobs(sched, self.vocab_size)
-        prompt_lp = compute_prompt_logprobs(plan, hidden, self.model.compute_logits) if plan else None
+        prompt_lp = compute_prompt_logprobs(
+            plan, lambda rows: self._logits(hidden, rows), hidden.device) if plan else None
         pooled = self._pool(sched, hidden, logits_indices)
         out = self._sample_step(sched, hidden, logits_indices, start, prepared)
         out.pooled = pooled
@@ -270,13 +315,42 @@ class ModelRunner:
         if meta is None:  # every sampling request failed
             return self._timed(self._to_output(sched, None, failed), start, prepared, forwarded, 0.0)
         head_start = time.perf_counter()
-        logits = self.model.compute_logits(hidden[logits_indices])
+        logits = self._logits(hidden, logits_indices)
         head_s = time.perf_counter() - head_start
         if any(item.spec_token_ids for item in sched.scheduled if item.request.request_id not in failed):
             return self._timed(self._verify(sched, logits, meta, failed), start, prepared, forwarded, head_s)
         sampled = self.sampler(logits, meta)
         return self._timed(self._to_output(sched, sampled, failed), start, prepared, forwarded, head_s)
 
+
+    def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """(len(rows), vocab) float32 logits at those rows of the step's hidden states; with
+        tensor parallelism the other ranks compute their vocabulary slices of the same rows."""
+        if self.tp_workers is not None:
+            self.tp_workers.send(("logits", rows.tolist()))
+        return self.model.compute_logits(hidden[rows])
+
+    def execute_worker_step(self, blocks: BlockOps, batch: StepBatch | None) -> torch.Tensor | None:
+        """Ranks > 0: the step rank 0 sent: its block copies, then the forward in lockstep
+        with rank 0's (the collectives inside pair up). Returns the hidden states, which the
+        LM-head calls of the step read."""
+        self._apply_block_ops(blocks)
+        if batch is None:
+            return None
+        input_ids, positions, common, _ = self._batch_tensors(batch)
+        attn_metadata = self.backend.build_metadata(common)
+        with lora_step(None):
+            return self.model(input_ids, positions, attn_metadata)
+
+    def _apply_block_ops(self, blocks: BlockOps) -> None:
+        swap_out, swap_in, copy = blocks
+        # Order matters: a block swapped out may be reused by a swap-in or a CoW copy.
+        if swap_out:
+            self._copy_blocks(swap_out, self.kv_caches, self.swap_caches)
+        if swap_in:
+            self._copy_blocks(swap_in, self.swap_caches, self.kv_caches)
+        if copy:
+            self._copy_blocks(copy, self.kv_caches, self.kv_caches)
 
     @staticmethod
     def _timed(
@@ -343,7 +417,8 @@ class ModelRunner:
     def forward_last_logits(self, sched: SchedulerOutput) -> torch.Tensor:
         """(num_scheduled, vocab) logits at each scheduled request's last token (the
         scheduled range may end in `spec_token_ids`). A draft model proposes with this."""
-        input_ids, positions, common, logits_indices = self._prepare_inputs(sched, last_only=True)
+        assert self.tp_workers is None, "a draft model runs on one rank"
+        input_ids, positions, common, logits_indices = self._batch_tensors(self._step_batch(sched, last_only=True))
         attn_metadata = self.backend.build_metadata(common)
         hidden = self.model(input_ids, positions, attn_metadata)
         return self.model.compute_logits(hidden[logits_indices])
@@ -370,9 +445,8 @@ class ModelRunner:
             gather_logprobs_into(dist.raw_logprobs, verified.token_ids, meta.max_num_logprobs or 0, sampled)
         return self._to_output(sched, sampled, failed, verified.accepted.tolist())
 
-    def _prepare_inputs(
-        self, sched: SchedulerOutput, last_only: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata, torch.Tensor]:
+    @staticmethod
+    def _step_batch(sched: SchedulerOutput, last_only: bool = False) -> StepBatch:
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -394,10 +468,15 @@ class ModelRunner:
                 logits_indices.extend([last - num_spec] * (1 + len(item.fork_requests)))
                 logits_indices.extend(range(last - num_spec + 1, last + 1))
         max_blocks = max(len(item.block_table) for item in sched.scheduled)
-        block_tables = torch.tensor(
-            [item.block_table + [0] * (max_blocks - len(item.block_table)) for item in sched.scheduled],
-            dtype=torch.int64,
-        )
+        tables = [item.block_table + [0] * (max_blocks - len(item.block_table)) for item in sched.scheduled]
+        return StepBatch(token_ids, positions, query_lens, seq_lens, logits_indices, tables)
+
+    def _batch_tensors(
+        self, batch: StepBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata, torch.Tensor]:
+        token_ids, positions, query_lens = batch.token_ids, batch.positions, batch.query_lens
+        seq_lens, logits_indices = batch.seq_lens, batch.logits_indices
+        block_tables = torch.tensor(batch.block_tables, dtype=torch.int64)
         positions_t = torch.tensor(positions, dtype=torch.int64)
         query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
         query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)

@@ -70,16 +70,18 @@ def plan_prompt_logprobs(sched: SchedulerOutput, vocab_size: int) -> PromptLogpr
 
 
 def compute_prompt_logprobs(
-    plan: PromptLogprobsPlan, hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor]
+    plan: PromptLogprobsPlan, logits_at: Callable[[torch.Tensor], torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows, 1 + num_top) token ids, logprobs and ranks, on the host's side of no sync yet."""
-    device = hidden.device
+    """(rows, 1 + num_top) token ids, logprobs and ranks, on the host's side of no sync yet.
+
+    `logits_at(rows)`: the logits at those rows (indices on `device`) of the step's hidden
+    states (a function, so tensor-parallel ranks can be told the rows too)."""
     rows = torch.tensor(plan.flat_rows, dtype=torch.int64, device=device)
     targets = torch.tensor(plan.targets, dtype=torch.int64, device=device)
     parts = []
     for begin in range(0, len(plan.flat_rows), _ROWS_PER_SLICE):
         chunk = slice(begin, begin + _ROWS_PER_SLICE)
-        logits = compute_logits(hidden[rows[chunk]]).float()
+        logits = logits_at(rows[chunk]).float()
         parts.append(gather_logprobs(torch.log_softmax(logits, dim=-1), targets[chunk], plan.num_top))
     if len(parts) == 1:
         return parts[0]
