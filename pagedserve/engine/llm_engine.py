@@ -18,7 +18,6 @@ from pagedserve.core.factory import build_kv_manager, build_scheduler
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.core.scheduler import PreemptionPolicy, SchedulerStats
-from pagedserve.distributed.parallel_state import check_tensor_parallel_size
 from pagedserve.distributed.tp_workers import TPWorkers, WorkerSpec, worker_threads
 from pagedserve.dtypes import lora_dtype
 from pagedserve.engine import registry
@@ -32,6 +31,7 @@ from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.lora.manager import LoRAManager
 from pagedserve.lora.peft_loader import module_dims_for
 from pagedserve.lora.request import LoRARequest
+from pagedserve.models.loader import check_shardable
 from pagedserve.models.source import eos_token_ids, resolve_model_source
 from pagedserve.outputs import RequestOutput
 from pagedserve.pooling_params import PoolingParams
@@ -165,8 +165,8 @@ class LLMEngine:
         size = self.config.parallel.tensor_parallel_size
         if size == 1:
             return None
-        # Refused before any process starts: the heads and the MLP must split evenly.
-        check_tensor_parallel_size(self.source.hf_config, size)
+        # Refused before any process starts: heads, MLP and quantization groups must split.
+        check_shardable(self.source.path, size, self.config.model.quant_config())
         if self.device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(
                 f"tensor_parallel_size={size} needs {size} CUDA devices, found {torch.cuda.device_count()}")

@@ -160,6 +160,22 @@ def attach_quant_methods(
         )
 
 
+def check_shardable(
+    path: str | Path, tp_size: int, quantization: QuantizationConfig | None = None
+) -> None:
+    """ValueError naming the setting when this model cannot be split over `tp_size` ranks:
+    heads, MLP or (with `quantization`) a row-parallel layer's quantization groups. The
+    model is built on the meta device as rank 0 would build it (no memory, no weights), so
+    the engine refuses before starting any worker process."""
+    config = load_hf_config(path)
+    check_tensor_parallel_size(config, tp_size)
+    with torch.device("meta"), tensor_parallel(TPGroup(rank=0, size=tp_size)):
+        model = get_model_class(config.architectures[0])(config)
+    if quantization is not None:
+        for name, module in model.named_modules():
+            _check_groups_within_shard(name, module, quantization)
+
+
 def _check_groups_within_shard(name: str, module: nn.Module, quantization: QuantizationConfig) -> None:
     """A row-parallel layer's shard must hold whole quantization groups: a group straddling
     two ranks' columns would need both halves to compute its scale."""
