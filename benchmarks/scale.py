@@ -2,6 +2,7 @@
 
     python benchmarks/scale.py                    # bench-125m, the lead's run on a quiet machine
     python benchmarks/scale.py --quick            # tiny model and load: proves the script works
+    python benchmarks/scale.py --part tp          # only the tensor-parallel rows (--part replicas: the others)
 
 Three measurements, each printed side by side with its baseline:
 
@@ -15,7 +16,12 @@ Three measurements, each printed side by side with its baseline:
    far): prefix affinity against balanced routing (affinity off), and one engine alone. Hit
    rates count tokens, so they do not depend on timing.
 
-Tensor parallelism is not implemented yet; its rows are absent.
+4. tensor parallelism, 1 rank x T threads against 2 ranks x T/2 threads each (the same
+   cores): single-stream decode tok/s (one request, decode steps only), batched throughput
+   (--concurrency requests at once, output tok/s), and rank 0's communication per step:
+   seconds in all-reduces (two per layer plus the embedding's), in the LM head's gather and
+   in sending the step to the workers (pickle + socket write), measured around each call.
+   On 2 cores expect no speed-up; the communication per step is the figure that carries over.
 """
 
 from __future__ import annotations
@@ -150,6 +156,86 @@ async def bench_replicas(engine_args: EngineArgs, args: argparse.Namespace) -> d
         ray.shutdown()
 
 
+def _decode_tok_s(engine: LLMEngine, prompt: list[int], output_len: int) -> float:
+    """One request alone: output tokens per second over its decode steps (prefill excluded)."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    engine.add_request(None, {"prompt_token_ids": prompt}, params)
+    engine.step()  # the prefill (and first token)
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return steps / (time.perf_counter() - start)
+
+
+def _batch_tok_s(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
+    """Every prompt at once: (output tok/s, steps)."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(None, {"prompt_token_ids": prompt}, params)
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return len(prompts) * output_len / (time.perf_counter() - start), steps
+
+
+def bench_tp(engine_args: EngineArgs, args: argparse.Namespace) -> dict[int, dict[str, float]]:
+    results: dict[int, dict[str, float]] = {}
+    single_prompt = _prompts(1, args.prompt_len, seed=3)[0]
+    batch = _prompts(args.concurrency, args.prompt_len, seed=4)
+    for tp in (1, 2):
+        torch.set_num_threads(max(1, args.threads // tp))  # rank 0's share; each worker takes its own
+        engine = LLMEngine(engine_args.replace(tensor_parallel_size=tp, enable_prefix_caching=False)
+                           .create_engine_config())
+        try:
+            _batch_tok_s(engine, batch[:2], 2)  # warm-up
+            decode = statistics.median(_decode_tok_s(engine, single_prompt, args.output_len)
+                                       for _ in range(args.repeats))
+            rates = []
+            comm = {"all_reduce_ms": 0.0, "gather_ms": 0.0, "broadcast_ms": 0.0, "reduces_per_step": 0.0}
+            for _ in range(args.repeats):
+                if engine.tp_workers is not None:
+                    engine.tp_workers.time_collectives()
+                rate, steps = _batch_tok_s(engine, batch, args.output_len)
+                rates.append(rate)
+                if engine.tp_workers is not None:
+                    stats = engine.tp_workers.comm_stats()
+                    comm = {"all_reduce_ms": stats.all_reduce_s / steps * 1e3, "gather_ms": stats.gather_s / steps * 1e3,
+                            "broadcast_ms": stats.broadcast_s / steps * 1e3,
+                            "reduces_per_step": stats.num_all_reduce / steps}
+            decode_comm, decode_share = 0.0, 0.0
+            if engine.tp_workers is not None:
+                engine.tp_workers.time_collectives()
+                steps = args.output_len - 1
+                timed_tok_s = _decode_tok_s(engine, single_prompt, args.output_len)
+                decode_comm = engine.tp_workers.comm_stats().total_s() / steps * 1e3
+                decode_share = decode_comm / (1e3 / timed_tok_s)  # of the same run's step time
+                engine.tp_workers.time_collectives(False)
+            results[tp] = {"decode_tok_s": decode, "batch_tok_s": statistics.median(rates),
+                           "decode_comm_ms": decode_comm, "decode_comm_share": decode_share, **comm}
+        finally:
+            engine.shutdown()
+    return results
+
+
+def print_tp(results: dict[int, dict[str, float]], args: argparse.Namespace) -> None:
+    one, two = results[1], results[2]
+    print(f"tensor parallelism, model {args.model}: 1 rank x {args.threads} threads vs 2 ranks x "
+          f"{max(1, args.threads // 2)} thread(s); median of {args.repeats}")
+    print(f"{'':44}{'1 rank':>12}{'2 ranks':>12}")
+    print(f"{'single-stream decode (tok/s)':44}{one['decode_tok_s']:>12.1f}{two['decode_tok_s']:>12.1f}"
+          f"   ratio {two['decode_tok_s'] / one['decode_tok_s']:.2f}x")
+    print(f"{'batched, ' + str(args.concurrency) + ' requests (output tok/s)':44}{one['batch_tok_s']:>12.1f}"
+          f"{two['batch_tok_s']:>12.1f}   ratio {two['batch_tok_s'] / one['batch_tok_s']:.2f}x")
+    print(f"rank 0's communication per decode step (1 request): {two['decode_comm_ms']:.3f} ms "
+          f"= {two['decode_comm_share'] * 100:.0f}% of the step")
+    print(f"per batched step: all-reduce {two['all_reduce_ms']:.3f} ms ({two['reduces_per_step']:.0f} calls), "
+          f"LM-head gather {two['gather_ms']:.3f} ms, step broadcast {two['broadcast_ms']:.3f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model and load (proves the script runs)")
@@ -163,11 +249,17 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--user-len", type=int, default=24)
     parser.add_argument("--reply-len", type=int, default=32)
+    parser.add_argument("--part", choices=("all", "replicas", "tp"), default="all")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in all (tensor-parallel rows)")
     args = parser.parse_args()
     if args.quick:
         args.model, args.concurrency, args.prompt_len, args.output_len = "llama-gqa", 8, 32, 8
         args.repeats, args.conversations, args.turns, args.user_len, args.reply_len = 1, 4, 3, 8, 8
     engine_args = EngineArgs(model=str(get_model_path(args.model)), kv_cache_memory_bytes=256 << 20)
+    if args.part in ("all", "tp"):
+        print_tp(bench_tp(engine_args, args), args)
+    if args.part == "tp":
+        return
     single = asyncio.run(bench_single(engine_args, args))
     replicas = asyncio.run(bench_replicas(engine_args, args))
     n = args.replicas

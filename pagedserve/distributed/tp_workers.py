@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagedserve.distributed.parallel_state import TensorParallelError, create_group
+from pagedserve.distributed.parallel_state import CommStats, TensorParallelError, create_group
 from pagedserve.quantization import QuantizationConfig
 
 logger = logging.getLogger(__name__)
@@ -181,6 +181,19 @@ class TPWorkers:
                 raise TensorParallelError(f"tensor-parallel rank {rank}: {detail}")
             states.append(detail)
         return states
+
+    def time_collectives(self, on: bool = True) -> None:
+        """Benchmarks: time rank 0's all-reduces and gathers from now on (two perf_counter
+        calls each), and start the counts again."""
+        self.group.timed = on
+        self.group.stats = CommStats()
+        self.broadcast_s, self.num_broadcasts = 0.0, 0
+
+    def comm_stats(self) -> CommStats:
+        """Rank 0's time in collectives (when timed) and in sending steps to the workers."""
+        stats = self.group.stats
+        return CommStats(stats.all_reduce_s, stats.gather_s, self.broadcast_s,
+                         stats.num_all_reduce, stats.num_gather, self.num_broadcasts)
 
     def shutdown(self) -> None:
         """Stops every worker (idempotent); returns once they have exited."""
