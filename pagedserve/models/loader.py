@@ -41,7 +41,11 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from pagedserve import envs
-from pagedserve.distributed.parallel_state import TPGroup, check_tensor_parallel_size, tensor_parallel
+from pagedserve.distributed.parallel_state import (
+    TPGroup,
+    check_tensor_parallel_size,
+    tensor_parallel,
+)
 from pagedserve.models.gguf import gguf_weight_types, iter_gguf_tensors, load_gguf_config
 from pagedserve.models.hub import is_gguf
 from pagedserve.models.layers.embedding import LMHead

@@ -24,7 +24,11 @@ from transformers import PretrainedConfig
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.models.layers.activation import get_activation
 from pagedserve.models.layers.attention import Attention
-from pagedserve.models.layers.embedding import ParallelLMHead, VocabEmbedding, VocabParallelEmbedding
+from pagedserve.models.layers.embedding import (
+    ParallelLMHead,
+    VocabEmbedding,
+    VocabParallelEmbedding,
+)
 from pagedserve.models.layers.layernorm import LayerNorm
 from pagedserve.models.layers.linear import (
     ColumnParallelLinear,

@@ -27,7 +27,7 @@ def test_every_cli_setting_round_trips_through_its_flag() -> None:
             "--gpu-memory-utilization", "0.5", "--trust-remote-code", "--enforce-eager",
             "--load-format", "gguf", "--tokenizer-mode", "slow", "--disable-log-stats",
             "--scheduling-policy", "priority", "--speculative-config", '{"method": "ngram"}',
-            "--data-parallel-size", "2", "--distributed-executor-backend", "ray",
+            "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
             "--structured-outputs-config", '{"backend": "xgrammar"}', "--guided-decoding-backend", "xgrammar"]
     args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
     defaults = EngineArgs()
@@ -36,7 +36,9 @@ def test_every_cli_setting_round_trips_through_its_flag() -> None:
     assert args.kv_cache_memory_bytes == 3 << 20 and args.swap_space == 2.0
     with pytest.raises(ValueError, match="data_parallel_size"):
         args.create_engine_config()  # replicas are the server's; one engine is one replica
-    config = args.replace(data_parallel_size=1).create_engine_config()
+    with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel_size=2"):
+        args.replace(data_parallel_size=1).create_engine_config()
+    config = args.replace(data_parallel_size=1, tensor_parallel_size=1).create_engine_config()
     assert isinstance(config, EngineConfig)
     assert config.cache.swap_space_bytes == 2 << 30 and config.cache.block_size == 32
     assert config.lora is not None and config.lora.max_cpu_loras == 9
