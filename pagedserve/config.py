@@ -206,12 +206,6 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        if self.lora is not None and self.parallel.tensor_parallel_size > 1:
-            # The LoRA kernel reads adapters whole from the KV pool; sharding them (S-LoRA's
-            # shrink on the input shard / expand on the output shard) is not built yet.
-            raise ValueError(
-                f"enable_lora is not supported with tensor_parallel_size={self.parallel.tensor_parallel_size} "
-                "(LoRA adapters are not sharded yet); use tensor_parallel_size=1")
         if self.speculative is not None and (
             self.cache.kv_allocation != "paged" or self.scheduler.batching != "continuous"
         ):

@@ -227,7 +227,7 @@ class EngineArgs:
         "split one model over N ranks: rank 0 in the engine process, N-1 worker processes it starts "
         "(torch.distributed: gloo on CPU, NCCL on CUDA); heads, MLP and vocabulary are sharded",
         group="distributed", aliases=("-tp",),
-        vllm="same; not with --enable-lora yet; on CPU the ranks share the host's cores"))
+        vllm="same; on CPU the ranks share the host's cores"))
     distributed_executor_backend: str | None = field(default=None, metadata=_setting(
         "where replicas run: ray (a local Ray cluster, or the one RAY_ADDRESS names)",
         group="distributed", choices=("ray",)))

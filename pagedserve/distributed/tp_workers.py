@@ -7,7 +7,9 @@
     create_group (gloo / NCCL) <--rendezvous-->   ...
     rank 0 loads its shard; wait_ready() <------  ("ready",) once its shard is loaded
     send(("kv_cache", n)) / ("swap_space", n) -->  allocates the same block ids
-    every step: send(("step", blocks, batch)) -->  block copies + forward (all-reduces pair up)
+    send(("adapter", lora, layout, block)) --->  writes its shard of a LoRA adapter there
+    every step: send(("step", blocks, batch, lora_runs)) --> block copies + forward
+                                                  (all-reduces pair up with rank 0's)
                 send(("logits", rows))  ------->  its vocabulary slice, gathered to rank 0
                 send(("step_done",))    ------->  drops the step's hidden states
     query_state()  <------------------------->    what it holds (the leak check)
@@ -60,6 +62,7 @@ class WorkerSpec:
     block_size: int
     quantization: QuantizationConfig | None
     kv_cache_dtype: str
+    lora_dtype: torch.dtype | None  # None: LoRA off
     tp_size: int
     store_port: int
     timeout_s: float

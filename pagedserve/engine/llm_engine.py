@@ -174,7 +174,8 @@ class LLMEngine:
         spec = WorkerSpec(
             model_path=str(self.source.path), dtype=dtype, device_type=self.device.type,
             block_size=self.config.cache.block_size, quantization=self.config.model.quant_config(),
-            kv_cache_dtype=self.config.cache.kv_cache_dtype, tp_size=size, store_port=0,
+            kv_cache_dtype=self.config.cache.kv_cache_dtype,
+            lora_dtype=lora_dtype(self.config.lora, dtype) if self.config.lora else None, tp_size=size, store_port=0,
             timeout_s=timeout_s, num_threads=worker_threads(size),
         )
         logger.info("tensor parallelism: starting %d worker processes", size - 1)
@@ -265,6 +266,7 @@ class LLMEngine:
             len(self.runner.attn_layers),
             self.runner.lora_block_elems(),
             self.runner.write_adapter,
+            shard=self.runner.lora_shard if self.tp_workers is not None else None,
         )
 
     def _preemption_policy(self) -> PreemptionPolicy:

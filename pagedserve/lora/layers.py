@@ -7,6 +7,11 @@ unchanged) and then adds every segment's adapter delta into the matching column 
     qkv_proj output columns:     | q (module 0) | k (1) | v (2) |
     gate_up_proj output columns: | gate (4) | up (5) |
 
+Tensor parallelism: a column-parallel base's output is this rank's columns and its adapter
+shard's B rows match them; a row-parallel base (o_proj, down_proj) computes its partial
+product, the shard's partial delta is added to it, and only then does the one all-reduce
+run (lora/tp.py), so LoRA costs no communication of its own.
+
 The step's segment tables reach the layers through `lora_step`, a context manager the
 model runner enters around the forward pass (always reset on exit); outside it, or in a
 step without adapter tokens, the wrappers cost one context-variable read.
@@ -21,9 +26,11 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
+from pagedserve.distributed.parallel_state import SINGLE
 from pagedserve.lora.kernels import flat_storage, kernel_available, kernel_handles
 from pagedserve.lora.peft_loader import TARGETABLE
 from pagedserve.lora.segments import LoRASegments, table_slices
+from pagedserve.models.layers.linear import RowParallelLinear
 from pagedserve.quantization.packed import PackedLinearMethod
 
 _segments: ContextVar[LoRASegments | None] = ContextVar("pagedserve_lora_segments", default=None)
@@ -50,6 +57,8 @@ class LoRALinear(nn.Module):
         self.storage_a: torch.Tensor | None = None
         self.storage_b: torch.Tensor | None = None
         self.one_op = False  # base GEMM and deltas in one op (set by bind)
+        # Row-parallel bases: the partial sums (base + delta) are reduced here, once.
+        self.tp = base.tp if isinstance(base, RowParallelLinear) else SINGLE
 
     def bind(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> None:
         """Points the layer at the KV-cache memory its adapters live in (zero-copy views).
@@ -72,11 +81,12 @@ class LoRALinear(nn.Module):
         if segments is None or segments.num_segments == 0:
             return self.base(x)
         if self.one_op and x.dim() == 2:
-            return segments.linear(x.contiguous(), self.base.packed_weight, getattr(self.base, "bias", None),
-                                   self.storage_a, self.storage_b, self.kernel_slices)
-        y = self.base(x)
+            y = segments.linear(x.contiguous(), self.base.packed_weight, getattr(self.base, "bias", None),
+                                self.storage_a, self.storage_b, self.kernel_slices)
+            return self.tp.all_reduce(y)
+        y = self.base.quant_method.apply(self.base, x)  # = base(x), before any all-reduce
         segments.apply(y, x.contiguous(), self.storage_a, self.storage_b, self.kernel_slices)
-        return y
+        return self.tp.all_reduce(y)
 
 
 def _slices(layer: nn.Module, names: tuple[str, ...]) -> list[tuple[int, int, int]]:

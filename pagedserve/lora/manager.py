@@ -46,13 +46,18 @@ class LoRAManager:
         num_layers: int,
         block_elems: int,
         write_adapter: WriteAdapter,
+        shard: Callable[[LoRAAdapter], LoRAAdapter] | None = None,
     ) -> None:
+        """`shard`: with tensor parallelism, rank 0's part of an adapter (its layout plans the
+        blocks every rank uses: all ranks' shards have the same shapes); `write_adapter` gets
+        the whole adapter and writes each rank's part."""
         self.config = config
         self.pool = pool
         self.module_dims = module_dims
         self.num_layers = num_layers
         self.block_elems = block_elems
         self.write_adapter = write_adapter
+        self.shard = shard
         self.registered: dict[int, LoRARequest] = {}
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._host_capacity = config.max_cpu_loras or max(config.max_loras, 16)
@@ -146,7 +151,8 @@ class LoRAManager:
 
     def _place(self, lora_id: int) -> bool:
         adapter = self._host[lora_id]
-        layout = plan_layout(adapter, self.num_layers, self.block_elems)
+        planned = self.shard(adapter) if self.shard is not None else adapter
+        layout = plan_layout(planned, self.num_layers, self.block_elems)
         if layout.num_blocks > self.pool.num_blocks:
             # Waiting would never help: fail the adapter's requests instead of stalling them.
             self._errors[lora_id] = LoRALoadError(

@@ -27,11 +27,13 @@ from pagedserve import envs
 from pagedserve.attention.backend import AttentionBackend, get_attention_backend
 from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.core.sched_output import SchedulerOutput
+from pagedserve.distributed.parallel_state import SINGLE
 from pagedserve.lora.kernels import block_elems
 from pagedserve.lora.layers import lora_step, wrap_model_for_lora
 from pagedserve.lora.layout import AdapterLayout, write_adapter
 from pagedserve.lora.peft_loader import TARGETABLE, LoRAAdapter
-from pagedserve.lora.segments import LoRASegments, build_segments
+from pagedserve.lora.segments import LoRASegments, ResidentAdapter, build_segments
+from pagedserve.lora.tp import shard_adapter
 from pagedserve.models.layers.attention import Attention
 from pagedserve.models.loader import load_model
 from pagedserve.quantization import QuantizationConfig
@@ -93,6 +95,8 @@ class StepBatch:
     block_tables: list[list[int]]  # per request, padded with block 0 to the longest
 
 
+# Per scheduled request: (tokens this step, where its adapter lives or None).
+LoRARuns = list[tuple[int, ResidentAdapter | None]]
 # (swap out, swap in, copy) block pairs, applied in that order before the forward.
 BlockOps = tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]
 
@@ -144,6 +148,7 @@ class ModelRunner:
         """`tp_group`: this rank's tensor-parallel group (None: one rank); `tp_workers`: on
         rank 0, the other ranks' processes, sent every step."""
         self.device = device
+        self.tp_group = tp_group or SINGLE
         self.tp_workers = tp_workers
         self.faults = faults
         self.dtype = dtype
@@ -207,8 +212,17 @@ class ModelRunner:
         return block_elems(self.kv_caches[0], self.lora_dtype)
 
     def write_adapter(self, adapter: LoRAAdapter, layout: AdapterLayout, first_block: int) -> None:
-        """Copies an adapter's weights into its run of KV blocks, in every layer."""
-        write_adapter(adapter, layout, self.kv_caches, first_block, self.lora_dtype)
+        """Copies an adapter's weights (this rank's part; every rank's with tensor
+        parallelism) into its run of KV blocks, in every layer."""
+        if self.tp_workers is not None:
+            self.tp_workers.send(("adapter", adapter, layout, first_block))
+        write_adapter(self.lora_shard(adapter), layout, self.kv_caches, first_block, self.lora_dtype)
+
+    def lora_shard(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """This rank's part of an adapter (lora/tp.py); the adapter itself with one rank."""
+        kv_heads = self.kv_cache_spec().num_kv_heads * self.tp_group.size  # KV heads over all ranks
+        total = getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+        return shard_adapter(adapter, self.tp_group, kv_heads // total)
 
     def set_forward_hook(self, hook: ForwardHook | None) -> None:
         """Benchmarks and tests: `hook(sched, forward)` runs in place of each step's model
@@ -222,13 +236,19 @@ class ModelRunner:
 
     def lora_segments(self, sched: SchedulerOutput) -> LoRASegments | None:
         """The step's LoRA segment tables (one segment per adapter run), or None."""
+        return self.segments_for(self._lora_runs(sched))
+
+    @staticmethod
+    def _lora_runs(sched: SchedulerOutput) -> LoRARuns | None:
         if not sched.lora_adapters:
             return None
-        runs = [
+        return [
             (item.num_new_tokens, sched.lora_adapters[item.request.lora_id] if item.request.lora_id else None)
             for item in sched.scheduled
         ]
-        return build_segments(runs, len(self.attn_layers), len(TARGETABLE))
+
+    def segments_for(self, runs: LoRARuns | None) -> LoRASegments | None:
+        return None if runs is None else build_segments(runs, len(self.attn_layers), len(TARGETABLE))
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -239,7 +259,7 @@ class ModelRunner:
         batch = None if sched.is_empty else self._step_batch(sched)
         if self.tp_workers is None:
             return self._execute(sched, blocks, batch, start)
-        self.tp_workers.send(("step", blocks, batch))
+        self.tp_workers.send(("step", blocks, batch, self._lora_runs(sched)))
         out = self._execute(sched, blocks, batch, start)
         # Not on failure: a step that raises stops the engine (and its workers) anyway.
         self.tp_workers.send(("step_done",))
@@ -330,7 +350,9 @@ class ModelRunner:
             self.tp_workers.send(("logits", rows.tolist()))
         return self.model.compute_logits(hidden[rows])
 
-    def execute_worker_step(self, blocks: BlockOps, batch: StepBatch | None) -> torch.Tensor | None:
+    def execute_worker_step(
+        self, blocks: BlockOps, batch: StepBatch | None, lora_runs: LoRARuns | None
+    ) -> torch.Tensor | None:
         """Ranks > 0: the step rank 0 sent: its block copies, then the forward in lockstep
         with rank 0's (the collectives inside pair up). Returns the hidden states, which the
         LM-head calls of the step read."""
@@ -339,7 +361,7 @@ class ModelRunner:
             return None
         input_ids, positions, common, _ = self._batch_tensors(batch)
         attn_metadata = self.backend.build_metadata(common)
-        with lora_step(None):
+        with lora_step(self.segments_for(lora_runs)):
             return self.model(input_ids, positions, attn_metadata)
 
     def _apply_block_ops(self, blocks: BlockOps) -> None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from pagedserve.distributed.parallel_state import create_group
 from pagedserve.distributed.tp_workers import WorkerSpec
+from pagedserve.lora.layout import write_adapter
 from pagedserve.worker.model_runner import ModelRunner
 
 
@@ -37,7 +38,8 @@ def main(spec: WorkerSpec, rank: int, conn: Connection) -> None:
         group = create_group(store, rank, spec.tp_size, device, spec.timeout_s)
         runner = ModelRunner(
             spec.model_path, spec.dtype, device, spec.block_size,
-            quantization=spec.quantization, kv_cache_dtype=spec.kv_cache_dtype, tp_group=group,
+            quantization=spec.quantization, kv_cache_dtype=spec.kv_cache_dtype, lora_dtype=spec.lora_dtype,
+            tp_group=group,
         )
     except BaseException:  # noqa: BLE001 - rank 0 reports it
         _reply(conn, "error", traceback.format_exc())
@@ -59,13 +61,16 @@ def _serve(runner: ModelRunner, conn: Connection) -> None:
             except EOFError:
                 return  # rank 0 is gone: never outlive the engine
             match message:
-                case ("step", blocks, batch):
-                    hidden = runner.execute_worker_step(blocks, batch)
+                case ("step", blocks, batch, lora_runs):
+                    hidden = runner.execute_worker_step(blocks, batch, lora_runs)
                 case ("logits", rows):
                     assert hidden is not None, "logits asked for a step without a forward"
                     runner.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)])
                 case ("step_done",):
                     hidden = None
+                case ("adapter", adapter, layout, first_block):
+                    write_adapter(runner.lora_shard(adapter), layout, runner.kv_caches, first_block,
+                                  runner.lora_dtype)
                 case ("kv_cache", num_blocks):
                     runner.initialize_kv_cache(num_blocks)
                 case ("swap_space", num_blocks):

@@ -36,9 +36,8 @@ def test_every_cli_setting_round_trips_through_its_flag() -> None:
     assert args.kv_cache_memory_bytes == 3 << 20 and args.swap_space == 2.0
     with pytest.raises(ValueError, match="data_parallel_size"):
         args.create_engine_config()  # replicas are the server's; one engine is one replica
-    with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel_size=2"):
-        args.replace(data_parallel_size=1).create_engine_config()
-    config = args.replace(data_parallel_size=1, tensor_parallel_size=1).create_engine_config()
+    config = args.replace(data_parallel_size=1).create_engine_config()
+    assert config.parallel.tensor_parallel_size == 2
     assert isinstance(config, EngineConfig)
     assert config.cache.swap_space_bytes == 2 << 30 and config.cache.block_size == 32
     assert config.lora is not None and config.lora.max_cpu_loras == 9

@@ -1,7 +1,8 @@
 """Tensor parallelism on gloo: 2 ranks against 1 rank on the same weights (fp32).
 
 Greedy token for token and logprobs within 1e-4 (sampled tokens and prompt logprobs too)
-for each architecture family, with int8 weights; a killed worker fails the request and the
+for each architecture family, with int8 weights, with LoRA adapters (a mixed batch, against
+1 rank and PEFT); a killed worker fails the request and the
 engine's health at once; bad `tensor_parallel_size` values are refused naming the field.
 Each 2-rank engine is built once per module (a worker process costs a few seconds) and its
 workers must exit when it shuts down.
@@ -22,6 +23,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine_args import EngineArgs
 
 from hf_reference import make_prompts
+from lora_utils import make_peft_adapter, peft_greedy
 
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=48)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, logprobs=2)
@@ -98,12 +100,35 @@ def test_two_ranks_with_int8_weights(model_path):
         _shutdown(parallel)
 
 
+def test_two_ranks_with_lora(model_path, tmp_path):
+    """S-LoRA's split: A whole / B by rows on q,k,v,gate,up; A by columns / B whole on o, down."""
+    from pagedserve.lora.request import LoRARequest
+
+    path = model_path("llama-gqa")
+    adapters = [
+        LoRARequest("all8", 1, make_peft_adapter(path, tmp_path / "all8", 8, "all-linear", seed=3)),
+        LoRARequest("attn4", 2, make_peft_adapter(path, tmp_path / "attn4", 4, ["q_proj", "v_proj", "o_proj"],
+                                                  seed=4, use_rslora=True)),
+    ]
+    lora_engine = dict(ENGINE, enable_lora=True, max_lora_rank=8)
+    single = LLM(path, **lora_engine)
+    parallel = LLM(path, tensor_parallel_size=2, **lora_engine)
+    try:
+        prompts = _prompts(single)
+        which = [adapters[0], None, adapters[1]]  # adapters and the base model in one batch
+        outs = [llm.generate(prompts, GREEDY, lora_request=which, use_tqdm=False) for llm in (single, parallel)]
+        _assert_same(*outs)
+        # And against PEFT itself (the 1-rank engine's own oracle).
+        assert outs[1][0].outputs[0].token_ids == peft_greedy(path, adapters[0].lora_path, prompts[0]["prompt_token_ids"], 16)
+    finally:
+        _shutdown(parallel)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
         (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1"),
         (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide num_attention_heads=4"),
-        (dict(tensor_parallel_size=2, enable_lora=True), "enable_lora is not supported with tensor_parallel_size=2"),
     ],
 )
 def test_bad_tensor_parallel_size_is_refused(model_path, kwargs, match):
