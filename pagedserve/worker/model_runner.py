@@ -260,8 +260,13 @@ class ModelRunner:
         if self.tp_workers is None:
             return self._execute(sched, blocks, batch, start)
         self.tp_workers.send(("step", blocks, batch, self._lora_runs(sched)))
-        out = self._execute(sched, blocks, batch, start)
-        # Not on failure: a step that raises stops the engine (and its workers) anyway.
+        try:
+            out = self._execute(sched, blocks, batch, start)
+        except BaseException:
+            # A step that fails as a whole leaves the ranks out of step (some may sit in a
+            # collective): the engine is dead, so its workers go now, not at the timeout.
+            self.tp_workers.shutdown()
+            raise
         self.tp_workers.send(("step_done",))
         return out
 
