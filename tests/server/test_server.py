@@ -399,6 +399,7 @@ class _FakeEngine:
     def __init__(self, step_fn=None) -> None:
         self.requests: dict[str, int] = {}
         self.step_fn = step_fn
+        self.shut_down = False
 
     def get_stats(self):
         from pagedserve.core.scheduler import SchedulerStats
@@ -419,6 +420,10 @@ class _FakeEngine:
     def abort_request(self, ids) -> None:
         for request_id in ids:
             self.requests.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        """The async engine stops the engine's tensor-parallel workers when its loop ends."""
+        self.shut_down = True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -451,7 +456,8 @@ def test_async_engine_validation_then_death() -> None:
             raise RuntimeError("boom")
 
     async def scenario() -> None:
-        engine = AsyncLLMEngine(_FakeEngine(step_fn))
+        fake = _FakeEngine(step_fn)
+        engine = AsyncLLMEngine(fake)
         engine.start()
         with pytest.raises(ValueError, match="prompt is bad"):
             await engine.add_requests([("ok", SamplingParams()), ("bad", SamplingParams())])
@@ -463,6 +469,8 @@ def test_async_engine_validation_then_death() -> None:
         assert "died" in engine.health()
         with pytest.raises(EngineDeadError):
             await engine.add_requests([("ok", SamplingParams())])
+        await engine.shutdown()  # joins the dead loop's thread
+        assert fake.shut_down  # a dead loop stops the engine (its tensor-parallel workers)
 
     asyncio.run(scenario())
 
