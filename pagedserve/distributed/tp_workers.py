@@ -158,6 +158,15 @@ class TPWorkers:
                     f"tensor-parallel rank {rank} (pid {process.pid}) died (exit code {code}){_last_words(conn)}"
                 )
 
+    def problem(self) -> str | None:
+        """Why the workers cannot serve (one exited, or they were shut down), else None.
+        Safe from any thread: it only polls the processes' exit status."""
+        try:
+            self.check_alive()
+        except TensorParallelError as exc:
+            return str(exc)
+        return None
+
     def send(self, message: tuple[Any, ...]) -> None:
         """The same message to every worker, pickled once; fails if one of them is gone."""
         start = time.perf_counter()

@@ -205,7 +205,8 @@ class AsyncLLMEngine:
         stalled_for = time.monotonic() - self._last_progress
         if self._busy and stalled_for > self.stall_timeout_s:
             return f"engine loop stalled: no step completed for {stalled_for:.1f} s"
-        return None
+        # An idle engine would only notice a dead tensor-parallel worker at its next step.
+        return self.engine.health_problem()
 
     @property
     def num_waiting(self) -> int:

@@ -181,6 +181,11 @@ class LLMEngine:
         logger.info("tensor parallelism: starting %d worker processes", size - 1)
         return TPWorkers(spec, self.device, timeout_s)
 
+    def health_problem(self) -> str | None:
+        """Why this engine cannot serve even while idle (a tensor-parallel worker exited),
+        else None. Safe from any thread (the server's /health calls it between steps)."""
+        return None if self.tp_workers is None else self.tp_workers.problem()
+
     def shutdown(self) -> None:
         """Stops the tensor-parallel worker processes (idempotent; nothing to do with one
         rank). The engine cannot step afterwards."""

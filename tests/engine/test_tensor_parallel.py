@@ -2,8 +2,8 @@
 
 Greedy token for token and logprobs within 1e-4 (sampled tokens and prompt logprobs too)
 for each architecture family, with int8 weights, with LoRA adapters (a mixed batch, against
-1 rank and PEFT); a killed worker fails the request and the
-engine's health at once; bad `tensor_parallel_size` values are refused naming the field.
+1 rank and PEFT); a killed worker fails the running request and the engine's health at once
+(an idle engine's health too); bad `tensor_parallel_size` values are refused naming the field.
 Each 2-rank engine is built once per module (a worker process costs a few seconds) and its
 workers must exit when it shuts down.
 """
@@ -18,6 +18,7 @@ import time
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.distributed.parallel_state import TensorParallelError
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine_args import EngineArgs
@@ -96,6 +97,16 @@ def test_two_ranks_with_int8_weights(model_path):
     try:
         # Group-wise int8 (32 columns) quantizes each rank's shard to exactly the 1-rank values.
         _assert_same(_run(single), _run(parallel))
+        # A worker that dies while the engine is idle: /health knows before any request comes.
+        engine = parallel.llm_engine
+        assert engine.health_problem() is None
+        worker = engine.tp_workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+        assert "tensor-parallel rank 1" in engine.health_problem()
+        with pytest.raises(TensorParallelError, match="rank 1 .* died"):
+            parallel.generate(_prompts(parallel)[:1], GREEDY, use_tqdm=False)
+        engine.abort_request(list(engine.scheduler.requests))
     finally:
         _shutdown(parallel)
 

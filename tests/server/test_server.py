@@ -421,6 +421,9 @@ class _FakeEngine:
         for request_id in ids:
             self.requests.pop(request_id, None)
 
+    def health_problem(self) -> None:
+        return None
+
     def shutdown(self) -> None:
         """The async engine stops the engine's tensor-parallel workers when its loop ends."""
         self.shut_down = True
