@@ -79,6 +79,12 @@ def takes(weight: torch.Tensor) -> bool:
     )
 
 
+def takes_grouped(q: torch.Tensor) -> bool:
+    """Whether the group-wise ops can take this (out, in) quantized weight (and are in use);
+    its groups must be multiples of 32 columns, which every group size of the methods is."""
+    return q.device.type == "cpu" and q.shape[0] % TILE == 0 and gemv_ops() is not None
+
+
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     """(out, in) -> (out/16, in/2, 16, 2), any dtype: tiles of 16 channels, k-pair by k-pair."""
     out_features, in_features = weight.shape

@@ -165,9 +165,10 @@ class Int4LinearMethod(LinearMethod):
 
     name = "int4"
 
-    def __init__(self, group_size: int = 128, kernel_max_rows: int = 64) -> None:
+    def __init__(self, group_size: int = 128, kernel_max_rows: int = 64, gemv: bool = True) -> None:
         self.group_size = group_size
         self.kernel_max_rows = kernel_max_rows
+        self.gemv = gemv  # False: torch's int4 kernel layout even where the GEMV kernel runs
 
     def supports(self, layer: nn.Module) -> bool:
         """Whether the kernel accepts this layer's shape (out % 16, a valid group size)."""
@@ -183,15 +184,15 @@ class Int4LinearMethod(LinearMethod):
         del layer.weight
         self.set_quantized(layer, q, scale, zero, group)
 
-    @staticmethod
     def set_quantized(
+        self,
         layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
     ) -> None:
         """Installs already-quantized weights: q (out, in) in [0, 15], scale / zero (in / g, out)
         (from `quantize_int4`, or a GGUF file's blocks via quantization/gguf_blocks.py): as the
         GEMV kernel's channel tiles where it runs, else in torch's int4 kernel layout."""
         layer.group_size = group
-        if q.device.type == "cpu" and q.shape[0] % gemv.TILE == 0 and gemv.gemv_ops() is not None:
+        if self.gemv and gemv.takes_grouped(q):
             tiles, sz = gemv.pack_int4_grouped(q, scale.to(COMPUTE_DTYPE), zero.to(COMPUTE_DTYPE))
             layer.register_buffer("qweight_tiles", tiles)
             layer.register_buffer("scales_zeros_tiles", sz)

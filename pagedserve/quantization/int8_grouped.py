@@ -71,10 +71,11 @@ class Int8GroupedLinearMethod(LinearMethod):
 
     name = "int8-grouped"
 
-    def __init__(self, group_size: int = 32) -> None:
+    def __init__(self, group_size: int = 32, gemv: bool = True) -> None:
         if group_size not in GROUP_SIZES:
             raise ValueError(f"int8 group size must be one of {GROUP_SIZES}, got {group_size}")
         self.group_size = group_size
+        self.gemv = gemv  # False: the torch path at every batch size (benchmarks compare)
 
     def supports(self, layer: nn.Module) -> bool:
         return layer.input_size % self.group_size == 0
@@ -84,12 +85,11 @@ class Int8GroupedLinearMethod(LinearMethod):
         del layer.weight
         self.set_quantized(layer, q, scale)
 
-    @staticmethod
-    def set_quantized(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
+    def set_quantized(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
         """Installs already-quantized weights (from `quantize_int8_grouped` or a GGUF file):
         as the GEMV kernel's channel tiles where it takes them, else as they are."""
         scale = scale.to(SCALE_DTYPE)
-        if q.device.type == "cpu" and q.shape[0] % gemv.TILE == 0 and gemv.gemv_ops() is not None:
+        if self.gemv and gemv.takes_grouped(q):
             tiles, scales = gemv.pack_int8_grouped(q, scale)
             layer.register_buffer("qweight_tiles", tiles)
             layer.register_buffer("scale_tiles", scales)

@@ -125,7 +125,7 @@ def test_gguf_q4_blocks_load_into_int4_without_requantizing(kind: str) -> None:
     assert torch.equal(dequantize_int4(q, scale, zero, 32), want)  # same values, float32 scales
     layer = _Linear(torch.zeros(64, 128))
     del layer.weight
-    Int4LinearMethod.set_quantized(layer, q, scale, zero, 32)
+    Int4LinearMethod(32).set_quantized(layer, q, scale, zero, 32)
     # The stored q is gguf's, bit for bit; only scale / zero are rounded to bfloat16.
     if hasattr(layer, "qweight_tiles") or _packed_block_n() is not None:
         stored, stored_scale, stored_zero = Int4LinearMethod(32).int_weight(layer)
