@@ -14,11 +14,24 @@ matching LinearMethod installs with its `set_quantized`:
 
 Nibble order inside a block (ggml): byte j holds q[j] in its low nibble and q[j + 16] in its
 high nibble.
+
+`--quantization gguf` (models/loader.py) gives each linear layer whose tensors are all Q8_0
+`GGUFInt8Method`, all Q4_0 / Q4_1 `GGUFInt4Method` (`gguf_method`): these take the raw blocks
+through the layer's weight loader and install the decoded values above. A layer with a float
+tensor (F32 / F16 / BF16), or with int8 and int4 shards mixed (e.g. q Q8_0, k Q4_1, fused into
+one qkv_proj), loads dequantized like the embedding and the LM head.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch import nn
+
+from pagedserve.quantization.base import LinearMethod
+from pagedserve.quantization.int4 import Int4LinearMethod
+from pagedserve.quantization.int8_grouped import Int8GroupedLinearMethod
 
 BLOCK = 32
 
@@ -60,3 +73,89 @@ def from_gguf_q4_1(raw: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Ten
     blocks = _blocks(raw, shape, 4 + BLOCK // 2)
     d, m = _half(blocks, 0), _half(blocks, 2)
     return _nibbles(blocks, 4, shape), d.t().contiguous(), (m + 8 * d).t().contiguous()
+
+
+# ---- linear methods that load a GGUF file's blocks (`--quantization gguf`) ----------------
+
+# GGUF type of a linear weight -> the method family its blocks load into.
+TARGETS = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
+
+
+class _GGUFBlocks:
+    """Mixin: the weight arrives as `GGUFQuantizedTensor` shards (one per fused projection,
+    e.g. q / k / v) and is installed, concatenated along the output rows, with the target
+    method's `set_quantized`, with the file's numbers (no requantizing).
+
+    `create_weights` registers a placeholder `weight` (no storage) whose loader keeps the
+    shards on the layer until `process_weights_after_loading`.
+    """
+
+    def create_weights(self, layer: nn.Module) -> None:
+        weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        weight.weight_loader = functools.partial(_keep_shard, layer)  # type: ignore[attr-defined]
+        weight.gguf_blocks = True  # type: ignore[attr-defined]  # the loader hands raw blocks
+        layer.weight = weight
+        layer.gguf_shards = {}
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        shards = layer.gguf_shards
+        order = list(layer.shard_ids) if getattr(layer, "shard_ids", None) else [None]
+        parts = [_decode(shards[s]) for s in order]
+        del layer.weight, layer.gguf_shards
+        self._install(layer, parts)  # type: ignore[attr-defined]
+
+
+def _keep_shard(layer: nn.Module, param: torch.Tensor, blocks: object, shard_id: object = None) -> None:
+    from pagedserve.models.gguf import GGUFQuantizedTensor
+
+    if not isinstance(blocks, GGUFQuantizedTensor):
+        raise ValueError(f"expected GGUF quantized blocks, got {type(blocks).__name__}")
+    rows = layer.output_size if shard_id is None else layer.shard_slice(shard_id).stop - layer.shard_slice(shard_id).start
+    if blocks.shape != (rows, layer.input_size):
+        raise ValueError(f"shape mismatch: parameter {(rows, layer.input_size)}, checkpoint {blocks.shape}")
+    layer.gguf_shards[shard_id] = blocks
+
+
+def _decode(blocks: object) -> tuple[torch.Tensor, ...]:
+    decode = {"Q8_0": from_gguf_q8_0, "Q4_0": from_gguf_q4_0, "Q4_1": from_gguf_q4_1}
+    return decode[blocks.qtype](blocks.blocks, blocks.shape)  # type: ignore[attr-defined]
+
+
+class GGUFInt8Method(_GGUFBlocks, Int8GroupedLinearMethod):
+    """Q8_0 blocks as group-wise int8 (group 32): the same numbers, bit for bit."""
+
+    name = "gguf-q8_0"
+
+    def __init__(self) -> None:
+        super().__init__(BLOCK)
+
+    def _install(self, layer: nn.Module, parts: list[tuple[torch.Tensor, ...]]) -> None:
+        q = torch.cat([p[0] for p in parts])
+        scale = torch.cat([p[1] for p in parts])
+        self.set_quantized(layer, q, scale)
+
+
+class GGUFInt4Method(_GGUFBlocks, Int4LinearMethod):
+    """Q4_0 / Q4_1 blocks as affine int4 (group 32): q as stored, scale and zero in bf16."""
+
+    name = "gguf-q4"
+
+    def __init__(self) -> None:
+        super().__init__(BLOCK)
+
+    def _install(self, layer: nn.Module, parts: list[tuple[torch.Tensor, ...]]) -> None:
+        q = torch.cat([p[0] for p in parts])
+        scale = torch.cat([p[1] for p in parts], dim=1)
+        zero = torch.cat([p[2] for p in parts], dim=1)
+        self.set_quantized(layer, q, scale, zero, BLOCK)
+
+
+def gguf_method(qtypes: set[str]) -> LinearMethod | None:
+    """The method for a linear layer whose checkpoint tensors have these GGUF types, or None
+    (full precision: a float tensor among them, or int8 and int4 blocks mixed in one layer)."""
+    targets = {TARGETS.get(t) for t in qtypes}
+    if targets == {"int8"}:
+        return GGUFInt8Method()
+    if targets == {"int4"}:
+        return GGUFInt4Method()
+    return None
