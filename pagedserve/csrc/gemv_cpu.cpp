@@ -36,8 +36,10 @@
 //                      y = sum_g scale[n, g] * sum_{k in g} x[k] q[n, k]   (+ bias)
 //   gemv_int4_grouped  q (N/16, K, 8) uint8: byte j of (t, k) = Q[16t+j, k] | Q[16t+8+j, k] << 4
 //                      scales_zeros (N/16, K/group, 2, 16) bfloat16: [.., 0, j] scale, [.., 1, j] zero
-//                      W = (Q - 8) * scale + zero, so per group (llama.cpp's Q4_1 trick)
-//                      y = sum_g scale * sum_k x q + (zero - 8 scale) * sum_k x  (+ bias)
+//                      W = (Q - 8) * scale + zero (pagedserve's int4), or float16 (d, m):
+//                      W = Q * d + m (a GGUF file's Q4_1 / Q4_0 blocks, exactly). Per group
+//                      (llama.cpp's Q4_1 trick), with level 0 = zero - 8 scale or m:
+//                      y = sum_g scale * sum_k x q + level0 * sum_k x  (+ bias)
 // Both: x float32 (bf16 widened), float32 products and sums (the weights' values exactly,
 // only the summation order differs from x @ dequantized(W)^T), y rounded once to x's dtype.
 
@@ -299,6 +301,24 @@ void int8_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tens
   });
 }
 
+// A group's 16 scales and level-0 values (the weight of q = 0) from its (2, 16) parameters:
+// bfloat16 (scale, zero) of W = (q - 8) scale + zero: level 0 = zero - 8 scale (exact in
+// float32 for bf16 inputs); float16 (d, m) of GGUF's W = q d + m: level 0 = m.
+inline void group_affine(const bf16* p, __m256& s0, __m256& s1, __m256& l0, __m256& l1) {
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  s0 = load_bf16x8(p);
+  s1 = load_bf16x8(p + 8);
+  l0 = _mm256_fnmadd_ps(eight, s0, load_bf16x8(p + 16));
+  l1 = _mm256_fnmadd_ps(eight, s1, load_bf16x8(p + 24));
+}
+inline void group_affine(const c10::Half* p, __m256& s0, __m256& s1, __m256& l0, __m256& l1) {
+  s0 = load_half8(p);
+  s1 = load_half8(p + 8);
+  l0 = load_half8(p + 16);
+  l1 = load_half8(p + 24);
+}
+
+template <class Param>
 void int4_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& sz,
                        const float* bias, at::Tensor& y) {
   const int64_t M = xf.size(0), K = xf.size(1), tiles = q.size(0), N = tiles * kTile;
@@ -313,19 +333,15 @@ void int4_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tens
       xsum[m * groups + g] = hsum8(a);
     }
   const uint8_t* qd = q.data_ptr<uint8_t>();
-  const auto* szd = reinterpret_cast<const bf16*>(sz.data_ptr());
+  const auto* szd = reinterpret_cast<const Param*>(sz.data_ptr());
   const TileOut out(y, bias, N);
   for_tiles(tiles, K * kTile / 2, M, [&](int64_t t, float* tot) {
     std::fill(tot, tot + M * kTile, 0.0f);
-    const bf16* st = szd + t * groups * 2 * kTile;
+    const Param* st = szd + t * groups * 2 * kTile;
     chan_all_rows(xd, M, K, group, ChanI4{qd + t * K * (kTile / 2)},
                   [&](int64_t m0, int64_t g, __m256 (*acc)[2], int mt) {
-                    const bf16* p = st + g * 2 * kTile;
-                    const __m256 s0 = load_bf16x8(p), s1 = load_bf16x8(p + 8);
-                    const __m256 eight = _mm256_set1_ps(8.0f);
-                    // level 0 of the group: zero - 8 scale (exact in float32 for bf16 inputs)
-                    const __m256 l0 = _mm256_fnmadd_ps(eight, s0, load_bf16x8(p + 16));
-                    const __m256 l1 = _mm256_fnmadd_ps(eight, s1, load_bf16x8(p + 24));
+                    __m256 s0, s1, l0, l1;
+                    group_affine(st + g * 2 * kTile, s0, s1, l0, l1);
                     for (int i = 0; i < mt; ++i) {
                       float* o = tot + (m0 + i) * kTile;
                       const __m256 xs = _mm256_set1_ps(xsum[(m0 + i) * groups + g]);
@@ -463,14 +479,20 @@ at::Tensor gemv_int4_grouped(const at::Tensor& x_in, const at::Tensor& q, const 
   const at::Tensor x = rows_view(x_in, "gemv_int4_grouped");
   check_grouped(x, q, scales_zeros, kTile / 2, bias, "gemv_int4_grouped");
   TORCH_CHECK(q.scalar_type() == at::kByte, "gemv_int4_grouped: q must be uint8");
-  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.dim() == 4 &&
+  const bool gguf_form = scales_zeros.scalar_type() == at::kHalf;
+  TORCH_CHECK((gguf_form || scales_zeros.scalar_type() == at::kBFloat16) && scales_zeros.dim() == 4 &&
                   scales_zeros.size(2) == 2 && scales_zeros.size(3) == kTile,
-              "gemv_int4_grouped: scales_zeros must be (N/16, K/group, 2, 16) bfloat16");
+              "gemv_int4_grouped: scales_zeros must be (N/16, K/group, 2, 16) bfloat16 (scale, zero) "
+              "or float16 (d, m)");
   at::Tensor y = at::empty(out_shape(x_in, q.size(0) * kTile), x.options());
 #if defined(PAGEDSERVE_AVX2)
   if (x.size(0) == 0) return y;
   at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  int4_grouped_impl(x_as_float(x, false).contiguous(), q, scales_zeros, bf.defined() ? bf.data_ptr<float>() : nullptr, y);
+  const float* bd = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  if (gguf_form)
+    int4_grouped_impl<c10::Half>(x_as_float(x, false).contiguous(), q, scales_zeros, bd, y);
+  else
+    int4_grouped_impl<bf16>(x_as_float(x, false).contiguous(), q, scales_zeros, bd, y);
 #else
   TORCH_CHECK(false, "gemv_int4_grouped: this build has no AVX2/FMA support");
 #endif

@@ -24,7 +24,7 @@ whole vectors of partial sums (see the C++ source):
     int8  q (out, in)        -> (out/16, in, 16) int8:   tile[t, k, j] = q[16 t + j, k]
           scale (out, in/g)  -> (out/16, in/g, 16) float16
     int4  q (out, in) 0..15  -> (out/16, in, 8) uint8:   byte j = q[16t + j, k] | q[16t + 8 + j, k] << 4
-          scale, zero (in/g, out) -> (out/16, in/g, 2, 16) bfloat16
+          scale, zero (in/g, out) -> (out/16, in/g, 2, 16) bfloat16 (or GGUF's d, m in float16)
 """
 
 from __future__ import annotations
@@ -144,20 +144,26 @@ def int8_grouped(
 def pack_int4_grouped(
     q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (out, in) uint8 in [0, 15], scale / zero (in / g, out) -> channel tiles
-    (out/16, in, 8) uint8 (two channels per byte) and (out/16, in / g, 2, 16) bfloat16."""
+    """q (out, in) uint8 in [0, 15], per-group parameters (in / g, out) -> channel tiles
+    (out/16, in, 8) uint8 (two channels per byte) and (out/16, in / g, 2, 16) parameters.
+
+    The parameters' dtype says their meaning to the kernel: bfloat16 (scale, zero) of
+    W = (q - 8) * scale + zero (`quantize_int4`), or float16 (d, m) of W = q * d + m (a GGUF
+    file's Q4_1 / Q4_0 blocks as stored)."""
+    if scale.dtype not in (torch.bfloat16, torch.float16) or zero.dtype != scale.dtype:
+        raise ValueError("int4 group parameters must be both bfloat16 (scale, zero) or both float16 (d, m)")
     out_features, in_features = q.shape
     t = q.view(out_features // TILE, TILE, in_features).transpose(1, 2)  # (T, in, 16)
     tiles = (t[..., : TILE // 2] | (t[..., TILE // 2 :] << 4)).contiguous()
     sz = torch.stack((scale.t(), zero.t()), dim=1)  # (out, 2, in / g)
     sz = sz.view(out_features // TILE, TILE, 2, -1).permute(0, 3, 2, 1)
-    return tiles, sz.to(torch.bfloat16).contiguous()
+    return tiles, sz.contiguous()
 
 
 def unpack_int4_grouped(
     tiles: torch.Tensor, sz: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of `pack_int4_grouped`: (q (out, in) uint8, scale, zero (in / g, out) bf16)."""
+    """Inverse of `pack_int4_grouped`: (q (out, in) uint8, the two parameters (in / g, out))."""
     num_tiles, in_features = tiles.shape[:2]
     t = torch.cat((tiles & 15, tiles >> 4), dim=-1)  # (T, in, 16)
     q = t.transpose(1, 2).reshape(num_tiles * TILE, in_features)
@@ -168,8 +174,8 @@ def unpack_int4_grouped(
 def int4_grouped(
     x: torch.Tensor, tiles: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x (..., in) float32/bf16 -> x ((q - 8) * scale + zero)^T + b (..., out) in x.dtype,
-    float32 products and sums; at most MAX_ROWS rows."""
+    """x (..., in) float32/bf16 -> x W^T + b (..., out) in x.dtype, W = (q - 8) * scale + zero
+    (bf16 parameters) or q * d + m (fp16), float32 products and sums; at most MAX_ROWS rows."""
     return _ops().gemv_int4_grouped(x, tiles, scales_zeros, bias)
 
 

@@ -8,9 +8,11 @@ matching LinearMethod installs with its `set_quantized`:
           -> Int8GroupedLinearMethod (group 32): exactly the same numbers
     Q4_0  blocks of 32: float16 d, 16 bytes of nibbles  w = d * (q - 8)
     Q4_1  blocks of 32: float16 d, float16 m, 16 bytes  w = d * q + m
-          -> Int4LinearMethod (group 32): w = (q - 8) * scale + zero, so scale = d and
-             zero = m + 8 d (Q4_0: zero = 0). q is kept as is; scale and zero are stored
-             in bfloat16 (the int4 kernel's dtype), a 2^-9 relative rounding of d and m.
+          -> Int4LinearMethod (group 32): where the decode GEMV kernel runs, q, d and m
+             as stored (float16 d, m; Q4_0: m = -8 d), the same numbers
+             (`gguf_q4_values`, `set_quantized_gguf`); for torch's int4 kernel
+             w = (q - 8) * scale + zero, so scale = d and zero = m + 8 d (Q4_0: zero = 0),
+             stored in bfloat16 (its dtype), a 2^-9 relative rounding of d and m.
 
 Nibble order inside a block (ggml): byte j holds q[j] in its low nibble and q[j + 16] in its
 high nibble.
@@ -68,6 +70,20 @@ def from_gguf_q4_0(raw: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Ten
     return _nibbles(blocks, 2, shape), d.t().contiguous(), torch.zeros_like(d).t().contiguous()
 
 
+def gguf_q4_values(raw: torch.Tensor, shape: tuple[int, int], qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 bytes -> (q uint8 (out, in), d, m float16 (in / 32, out)), W = q * d + m
+    exactly as stored (Q4_0: m = -8 d, exact in float16) for Int4LinearMethod.set_quantized_gguf."""
+    if qtype == "Q4_1":
+        blocks = _blocks(raw, shape, 4 + BLOCK // 2)
+        d, m = _half(blocks, 0), _half(blocks, 2)
+        q = _nibbles(blocks, 4, shape)
+    else:
+        blocks = _blocks(raw, shape, 2 + BLOCK // 2)
+        d = _half(blocks, 0)
+        m, q = -8 * d, _nibbles(blocks, 2, shape)
+    return q, d.t().to(torch.float16).contiguous(), m.t().to(torch.float16).contiguous()
+
+
 def from_gguf_q4_1(raw: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_1 bytes -> (q uint8 (out, in), scale, zero float32 (in / 32, out)) for Int4LinearMethod."""
     blocks = _blocks(raw, shape, 4 + BLOCK // 2)
@@ -117,8 +133,8 @@ def _keep_shard(layer: nn.Module, param: torch.Tensor, blocks: object, shard_id:
 
 
 def _decode(blocks: object) -> tuple[torch.Tensor, ...]:
-    decode = {"Q8_0": from_gguf_q8_0, "Q4_0": from_gguf_q4_0, "Q4_1": from_gguf_q4_1}
-    return decode[blocks.qtype](blocks.blocks, blocks.shape)  # type: ignore[attr-defined]
+    qtype, raw, shape = blocks.qtype, blocks.blocks, blocks.shape  # type: ignore[attr-defined]
+    return from_gguf_q8_0(raw, shape) if qtype == "Q8_0" else gguf_q4_values(raw, shape, qtype)
 
 
 class GGUFInt8Method(_GGUFBlocks, Int8GroupedLinearMethod):
@@ -136,7 +152,8 @@ class GGUFInt8Method(_GGUFBlocks, Int8GroupedLinearMethod):
 
 
 class GGUFInt4Method(_GGUFBlocks, Int4LinearMethod):
-    """Q4_0 / Q4_1 blocks as affine int4 (group 32): q as stored, scale and zero in bf16."""
+    """Q4_0 / Q4_1 blocks as affine int4 (group 32): q, d and m as stored where the GEMV
+    kernel runs (else scale and zero in bf16, see `set_quantized_gguf`)."""
 
     name = "gguf-q4"
 
@@ -145,9 +162,9 @@ class GGUFInt4Method(_GGUFBlocks, Int4LinearMethod):
 
     def _install(self, layer: nn.Module, parts: list[tuple[torch.Tensor, ...]]) -> None:
         q = torch.cat([p[0] for p in parts])
-        scale = torch.cat([p[1] for p in parts], dim=1)
-        zero = torch.cat([p[2] for p in parts], dim=1)
-        self.set_quantized(layer, q, scale, zero, BLOCK)
+        d = torch.cat([p[1] for p in parts], dim=1)
+        m = torch.cat([p[2] for p in parts], dim=1)
+        self.set_quantized_gguf(layer, q, d, m)
 
 
 def gguf_method(qtypes: set[str]) -> LinearMethod | None:

@@ -202,16 +202,32 @@ class Int4LinearMethod(LinearMethod):
         layer.register_buffer("scales_zeros", sz)
         layer.group_size = group
 
+    def set_quantized_gguf(self, layer: nn.Module, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        """Installs a GGUF file's Q4_1 / Q4_0 values, W = q * d + m with float16 d, m (in / 32,
+        out): exactly, as float16 (d, m) channel tiles, where the GEMV kernel runs; else as
+        bfloat16 scale = d, zero = m + 8 d (a 2^-9 relative rounding) for torch's kernel."""
+        if self.gemv and gemv.takes_grouped(q):
+            layer.group_size = 32
+            tiles, dm = gemv.pack_int4_grouped(q, d.to(torch.float16), m.to(torch.float16))
+            layer.register_buffer("qweight_tiles", tiles)
+            layer.register_buffer("scales_zeros_tiles", dm)
+            return
+        self.set_quantized(layer, q, d.float(), m.float() + 8 * d.float(), 32)
+
     def weight_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
         if hasattr(layer, "qweight_tiles"):
             return [layer.qweight_tiles, layer.scales_zeros_tiles]
         return [layer.qweight, layer.scales_zeros]
 
     def int_weight(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q (out, in) uint8 in [0, 15], scale, zero (in / g, out) bfloat16) as stored
-        (copies), whichever layout the layer keeps."""
+        """(q (out, in) uint8 in [0, 15], scale, zero (in / g, out)) as stored (copies),
+        whichever layout the layer keeps: bfloat16, or for GGUF values float32 scale = d and
+        zero = m + 8 d."""
         if hasattr(layer, "qweight_tiles"):
-            return gemv.unpack_int4_grouped(layer.qweight_tiles, layer.scales_zeros_tiles)
+            q, a, b = gemv.unpack_int4_grouped(layer.qweight_tiles, layer.scales_zeros_tiles)
+            if a.dtype == torch.float16:  # GGUF's (d, m)
+                return q, a.float(), b.float() + 8 * a.float()
+            return q, a, b
         block_n = _packed_block_n()
         if block_n is None:
             raise NotImplementedError("unknown int4 packed layout on this CPU")
@@ -221,7 +237,14 @@ class Int4LinearMethod(LinearMethod):
         return q, sz[..., 0].contiguous(), sz[..., 1].contiguous()
 
     def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The (out, in) weight the layer represents, (q - 8) * scale + zero in float32."""
+        """The (out, in) weight the layer represents: (q - 8) * scale + zero, or for GGUF
+        values q * d + m (as gguf computes it), in float32, then `dtype`."""
+        sz = getattr(layer, "scales_zeros_tiles", None)
+        if sz is not None and sz.dtype == torch.float16:
+            q, d, m = gemv.unpack_int4_grouped(layer.qweight_tiles, sz)
+            g = layer.group_size
+            w = q.float() * d.float().t().repeat_interleave(g, 1) + m.float().t().repeat_interleave(g, 1)
+            return w.to(dtype)
         return dequantize_int4(*self.int_weight(layer), layer.group_size).to(dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -280,7 +303,7 @@ def _row_chunks(n: int, k: int, multiple: int, max_elems: int = 1 << 21) -> list
 
 def _tile_blocks(tiles: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
     """The weight (q - 8) * scale + zero from channel tiles, (16 T, in) in `dtype` per block of
-    T tiles (~4 MiB of float32): one addcmul per block, level 0 = zero - 8 scale per group."""
+    T tiles (~4 MiB of float32): one addcmul per block, scale * q + level 0 per group."""
     num_tiles, in_features = tiles.shape[:2]
     groups = sz.shape[1]
     step = max(1, (1 << 20) // (in_features * gemv.TILE))
@@ -289,6 +312,8 @@ def _tile_blocks(tiles: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype) -> I
         q = torch.cat((packed & 15, packed >> 4), dim=-1).transpose(1, 2)  # (T, 16, in) view
         q = q.to(torch.float32, memory_format=torch.contiguous_format)
         s = sz[t : t + step].float().permute(0, 3, 1, 2).contiguous()  # (T, 16, G, 2)
-        scale, level0 = s[..., 0, None], (s[..., 1] - 8 * s[..., 0])[..., None]
+        # Level 0 (the weight of q = 0): zero - 8 scale, or GGUF's m (float16 parameters).
+        level0 = s[..., 1] if sz.dtype == torch.float16 else s[..., 1] - 8 * s[..., 0]
+        scale, level0 = s[..., 0, None], level0[..., None]
         w = torch.addcmul(level0, q.view(q.shape[0], gemv.TILE, groups, -1), scale)
         yield w.reshape(-1, in_features).to(dtype)

@@ -105,6 +105,20 @@ def test_int4_grouped_op_equals_dequantized_reference(
     _check(got, x, dequantize_int4(q, scale, zero, group), bias)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int4_op_takes_ggufs_float16_d_and_m(rows: int) -> None:
+    """float16 parameters mean GGUF's W = q * d + m (Q4_1 as stored), not (q - 8) * s + z."""
+    n, k = 48, 128
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=_gen(rows))
+    d = (torch.rand(k // 32, n, generator=_gen(1)) * 0.01).half()
+    m = (torch.randn(k // 32, n, generator=_gen(2)) * 0.05).half()
+    x = torch.randn(rows, k, generator=_gen(3))
+    dq = q.float() * d.float().t().repeat_interleave(32, 1) + m.float().t().repeat_interleave(32, 1)
+    _check(gemv.int4_grouped(x, *gemv.pack_int4_grouped(q, d, m), None), x, dq, None)
+    with pytest.raises(ValueError, match="both"):
+        gemv.pack_int4_grouped(q, d, m.bfloat16())
+
+
 def test_grouped_ops_refuse_bad_input() -> None:
     tiles, scales = gemv.pack_int8_grouped(*quantize_int8_grouped(torch.randn(16, 64), 32))
     with pytest.raises(RuntimeError, match="at most 8 rows"):
