@@ -153,8 +153,9 @@ def pack_int4_grouped(
     if scale.dtype not in (torch.bfloat16, torch.float16) or zero.dtype != scale.dtype:
         raise ValueError("int4 group parameters must be both bfloat16 (scale, zero) or both float16 (d, m)")
     out_features, in_features = q.shape
-    t = q.view(out_features // TILE, TILE, in_features).transpose(1, 2)  # (T, in, 16)
-    tiles = (t[..., : TILE // 2] | (t[..., TILE // 2 :] << 4)).contiguous()
+    halves = q.contiguous().view(out_features // TILE, 2, TILE // 2, in_features)  # (T, 2, 8, in)
+    # Both nibbles on contiguous rows first, then one transposing copy of the packed bytes.
+    tiles = (halves[:, 0] | (halves[:, 1] << 4)).transpose(1, 2).contiguous()  # (T, in, 8)
     sz = torch.stack((scale.t(), zero.t()), dim=1)  # (out, 2, in / g)
     sz = sz.view(out_features // TILE, TILE, 2, -1).permute(0, 3, 2, 1)
     return tiles, sz.contiguous()

@@ -51,7 +51,7 @@ def _half(blocks: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def _nibbles(blocks: torch.Tensor, offset: int, shape: tuple[int, int]) -> torch.Tensor:
-    packed = blocks[..., offset : offset + BLOCK // 2]
+    packed = blocks[..., offset : offset + BLOCK // 2].contiguous()  # vectorized ops below
     return torch.cat((packed & 15, packed >> 4), dim=-1).reshape(shape)
 
 
