@@ -40,6 +40,8 @@ TILE = 16
 # Rows up to which the kernel is used (its build refuses more; a decode batch this small is
 # memory-bound, a larger one is better served by a blocked GEMM).
 MAX_ROWS = 8
+# Activation dtypes the ops take (a float16 model's layers use their torch paths).
+X_DTYPES = (torch.float32, torch.bfloat16)
 # Group-wise methods: rows up to which they call the kernel 8 rows at a time rather than
 # dequantize the whole weight for a GEMM (the kernel multiplies 8 rows at ~the GEMM's rate
 # here, and dequantizing costs a pass over every weight per call).

@@ -267,9 +267,10 @@ class Int4LinearMethod(LinearMethod):
     @staticmethod
     def _apply_tiles(layer: nn.Module, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
         rows, bias, sz = gemv.rows_of(x), getattr(layer, "bias", None), layer.scales_zeros_tiles
-        if rows <= gemv.MAX_ROWS:  # a decode step: one op, x as it is
+        kernel = x.dtype in gemv.X_DTYPES
+        if kernel and rows <= gemv.MAX_ROWS:  # a decode step: one op, x as it is
             return gemv.int4_grouped(x, tiles, sz, bias)
-        if rows <= gemv.GROUPED_MAX_ROWS:
+        if kernel and rows <= gemv.GROUPED_MAX_ROWS:
             return gemv.in_chunks(gemv.int4_grouped, x, tiles, sz, bias)
         dtype = COMPUTE_DTYPE if cpu_has_native_bf16() else torch.float32
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)

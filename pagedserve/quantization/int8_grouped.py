@@ -114,7 +114,7 @@ class Int8GroupedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         tiles = getattr(layer, "qweight_tiles", None)
-        if tiles is not None:
+        if tiles is not None and x.dtype in gemv.X_DTYPES:
             rows, bias = gemv.rows_of(x), getattr(layer, "bias", None)
             if rows <= gemv.MAX_ROWS:  # a decode step: one op, x as it is
                 return gemv.int8_grouped(x, tiles, layer.scale_tiles, bias)

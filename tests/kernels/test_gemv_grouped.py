@@ -176,12 +176,22 @@ def test_methods_keep_one_tiled_copy_and_match_the_reference(method_name: str, r
     assert not hasattr(off, "qweight_tiles")
 
 
-def test_int8_grouped_bf16_model_output_dtype() -> None:
-    layer = _Linear(_weights(64, 128, 2).bfloat16(), torch.randn(64).bfloat16())
-    method = Int8GroupedLinearMethod(32)
+@pytest.mark.parametrize("method_name", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_keep_their_output_dtype(method_name: str, dtype: torch.dtype) -> None:
+    """bf16 x goes through the kernel; float16 x (which it does not take) through the torch
+    path on the same tiles."""
+    layer = _Linear(_weights(64, 128, 2).to(dtype), torch.randn(64).to(dtype))
+    method = Int8GroupedLinearMethod(32) if method_name == "int8" else Int4LinearMethod(32)
     method.process_weights_after_loading(layer)
-    assert method.apply(layer, torch.randn(3, 2, 128).bfloat16()).shape == (3, 2, 64)
-    assert method.apply(layer, torch.randn(4, 128).bfloat16()).dtype == torch.bfloat16
+    assert hasattr(layer, "qweight_tiles")
+    for rows in (1, 12, 40):
+        x = torch.randn(rows, 128, generator=_gen(rows)).to(dtype)
+        got = method.apply(layer, x)
+        assert got.dtype == dtype and got.shape == (rows, 64)
+        want = F.linear(x.float(), method.dequantized_weight(layer), layer.bias.float())
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    assert method.apply(layer, torch.randn(3, 2, 128).to(dtype)).shape == (3, 2, 64)
 
 
 def _engine_run(path: str, quantization: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
