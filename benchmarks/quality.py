@@ -50,6 +50,9 @@ CONFIGS: dict[str, dict] = {
     "int4-g128": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 128},
     "kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
     "int8+kv-int8": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "int8"},
+    # --model a .gguf file only: its Q8_0 / Q4_* linear weights served as they are (fp32 is then
+    # the same file dequantized to float32: the same weights, so this measures the kernels).
+    "gguf": {"dtype": "float32", "quantization": "gguf"},
 }
 DEFAULT_CONFIGS = ["fp32", "bf16", "int8", "int4", "kv-int8", "int8+kv-int8"]
 

@@ -39,7 +39,8 @@ class ModelConfig:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
-    # Weight-only quantization at load time: None, "int8" or "int4" (see pagedserve/quantization).
+    # Weight-only quantization: None, "int8" or "int4" (at load time), or "gguf" (a .gguf file's
+    # quantized blocks as they are); see pagedserve/quantization.
     quantization: str | None = None
     quantization_group_size: int | None = None  # None: the method's default (32)
     quantize_lm_head: bool = False

@@ -149,9 +149,11 @@ class EngineArgs:
     device: str = field(default="auto", metadata=_setting("auto, cpu or cuda"))
     quantization: str | None = field(default=None, metadata=_setting(
         "weight-only quantization of every linear layer at load time "
-        "(group-wise: int8 symmetric like Q8_0, int4 affine like Q4_1)", choices=("int8", "int4"),
-        vllm="differs: vLLM names checkpoint formats (awq, gptq, fp8, ...); here int8 / int4 "
-             "quantize a full-precision checkpoint at load"))
+        "(group-wise: int8 symmetric like Q8_0, int4 affine like Q4_1), or gguf: a .gguf model's "
+        "Q8_0 / Q4_0 / Q4_1 linear weights served as they are (no requantizing; other tensors "
+        "dequantized)", choices=("int8", "int4", "gguf"),
+        vllm="differs: vLLM names checkpoint formats (awq, gptq, fp8, gguf, ...); here int8 / int4 "
+             "quantize a full-precision checkpoint at load; gguf is vLLM's name"))
     quantization_group_size: int | None = field(default=None, metadata=_setting(
         "group size along the input dim: 32 (default), 64, 128 or 256; int8 also -1 "
         "(one scale per output channel)", vllm="pagedserve only"))

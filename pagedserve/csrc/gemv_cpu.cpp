@@ -27,11 +27,27 @@
 //               -ffp-contract=off) so they round as torch's do.
 // AVX2 + FMA only, so one build serves every x86 CPU of the last decade; AVX-512 would not
 // help a loop bound by memory bandwidth.
+//
+// Group-wise ops (a scale per `group` consecutive input columns of each output channel) use
+// "channel tiles" instead: a vector holds 8 output channels at one k, so a group's partial sums
+// need no horizontal add and its 16 scales are one contiguous load:
+//   gemv_int8_grouped  q (N/16, K, 16) int8:  q[t, k, j] = Q[16 t + j, k]  (1 byte per weight)
+//                      scale (N/16, K/group, 16) float16
+//                      y = sum_g scale[n, g] * sum_{k in g} x[k] q[n, k]   (+ bias)
+//   gemv_int4_grouped  q (N/16, K, 8) uint8: byte j of (t, k) = Q[16t+j, k] | Q[16t+8+j, k] << 4
+//                      scales_zeros (N/16, K/group, 2, 16) bfloat16: [.., 0, j] scale, [.., 1, j] zero
+//                      W = (Q - 8) * scale + zero (pagedserve's int4), or float16 (d, m):
+//                      W = Q * d + m (a GGUF file's Q4_1 / Q4_0 blocks, exactly). Per group
+//                      (llama.cpp's Q4_1 trick), with level 0 = zero - 8 scale or m:
+//                      y = sum_g scale * sum_k x q + level0 * sum_k x  (+ bias)
+// Both: x float32 (bf16 widened), float32 products and sums (the weights' values exactly,
+// only the summation order differs from x @ dequantized(W)^T), y rounded once to x's dtype.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -43,10 +59,15 @@
 
 namespace {
 
+using pagedserve::bf16;
+
 constexpr int kTile = 16;          // output channels per tile
 constexpr int64_t kMaxRows = 8;    // the op refuses more (larger batches: the GEMM path)
 
 #if defined(PAGEDSERVE_AVX2)
+
+using pagedserve::hsum8;
+using pagedserve::load_bf16x8;
 
 // Loaders: the 8 elements (p, 8 v .. 8 v + 7) of a tile as floats, v in 0..3.
 struct LoadF32 {
@@ -155,6 +176,185 @@ void dense_impl(const at::Tensor& xf, const Elem* w, int64_t tiles, const at::Te
   });
 }
 
+
+// ---- group-wise int8 / int4 ("channel tiles") -------------------------------------------
+
+// 16 int8 weights of channels 16 t .. 16 t + 15 at one k, as two float vectors.
+struct ChanI8 {
+  const int8_t* w;  // the tile: K x 16 bytes
+  inline void operator()(int64_t k, __m256& lo, __m256& hi) const {
+    // Two 8-byte loads: each folds into its sign extension (no shuffle to reach the high half).
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * 16))));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * 16 + 8))));
+  }
+};
+// 16 int4 weights (8 bytes: channel j low nibble, channel 8 + j high nibble) as floats in [0, 15].
+struct ChanI4 {
+  const uint8_t* w;  // the tile: K x 8 bytes
+  inline void operator()(int64_t k, __m256& lo, __m256& hi) const {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * 8)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  }
+};
+
+// Per group of `group` k and MT rows: acc[i] = sum_k x[i, k] * w[k, 0..15] (float32), with U
+// k in flight for few rows (2 * U * MT independent FMA chains hide the latency); then
+// epilogue(g, acc) folds the group into the row totals.
+template <int MT, int U, class Load, class Epilogue>
+inline void chan_groups(const float* x, int64_t ldx, int64_t K, int64_t group, const Load& load,
+                        Epilogue epilogue) {
+  for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, ++g) {
+    __m256 acc[U][MT][2];
+    for (int u = 0; u < U; ++u)
+      for (int i = 0; i < MT; ++i) acc[u][i][0] = acc[u][i][1] = _mm256_setzero_ps();
+    for (int64_t k = g0; k < g0 + group; k += U)  // group % U == 0 (group is a multiple of 32)
+      for (int u = 0; u < U; ++u) {
+        __m256 lo, hi;
+        load(k + u, lo, hi);
+        for (int i = 0; i < MT; ++i) {
+          const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k + u);
+          acc[u][i][0] = _mm256_fmadd_ps(lo, xb, acc[u][i][0]);
+          acc[u][i][1] = _mm256_fmadd_ps(hi, xb, acc[u][i][1]);
+        }
+      }
+    for (int i = 0; i < MT; ++i)
+      for (int u = 1; u < U; ++u) {
+        acc[0][i][0] = _mm256_add_ps(acc[0][i][0], acc[u][i][0]);
+        acc[0][i][1] = _mm256_add_ps(acc[0][i][1], acc[u][i][1]);
+      }
+    epilogue(g, acc[0], MT);
+  }
+}
+
+// Runs chan_groups over all M rows in blocks of at most 4 (registers), the row block's first
+// row index passed to the epilogue as `m0`.
+template <class Load, class Epilogue>
+inline void chan_all_rows(const float* x, int64_t M, int64_t K, int64_t group, const Load& load,
+                          Epilogue epilogue) {
+  auto at = [&](int64_t m0) {
+    return [&, m0](int64_t g, __m256 (*acc)[2], int mt) { epilogue(m0, g, acc, mt); };
+  };
+  if (M == 1) return chan_groups<1, 4>(x, K, K, group, load, at(0));
+  if (M == 2) return chan_groups<2, 2>(x, K, K, group, load, at(0));
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) chan_groups<4, 1>(x + m * K, K, K, group, load, at(m));
+  if (M - m == 3) chan_groups<3, 1>(x + m * K, K, K, group, load, at(m));
+  if (M - m == 2) chan_groups<2, 2>(x + m * K, K, K, group, load, at(m));
+  if (M - m == 1) chan_groups<1, 4>(x + m * K, K, K, group, load, at(m));
+}
+
+inline __m256 load_half8(const c10::Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(f);
+#endif
+}
+
+// Where a tile's results go: y (M, N) float32 or bfloat16, plus an optional float32 bias.
+struct TileOut {
+  float* yf;
+  c10::BFloat16* yb;
+  const float* bias;
+  int64_t N;
+  TileOut(at::Tensor& y, const float* b, int64_t n)
+      : yf(y.scalar_type() == at::kBFloat16 ? nullptr : y.data_ptr<float>()),
+        yb(y.scalar_type() == at::kBFloat16 ? reinterpret_cast<c10::BFloat16*>(y.data_ptr()) : nullptr),
+        bias(b), N(n) {}
+  // y[m, 16 t + j] = tot[m * 16 + j] (+ bias), rounded once to y's dtype.
+  inline void store(const float* tot, int64_t M, int64_t t) const {
+    for (int64_t m = 0; m < M; ++m)
+      for (int j = 0; j < kTile; ++j) {
+        const int64_t n = t * kTile + j;
+        float v = tot[m * kTile + j];
+        if (bias) v += bias[n];
+        if (yb) yb[m * N + n] = c10::BFloat16(v);
+        else yf[m * N + n] = v;
+      }
+  }
+};
+
+void int8_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& scale,
+                       const float* bias, at::Tensor& y) {
+  const int64_t M = xf.size(0), K = xf.size(1), tiles = q.size(0), N = tiles * kTile;
+  const int64_t groups = scale.size(1), group = K / groups;
+  const float* xd = xf.data_ptr<float>();
+  const int8_t* qd = q.data_ptr<int8_t>();
+  const auto* sd = reinterpret_cast<const c10::Half*>(scale.data_ptr());
+  const TileOut out(y, bias, N);
+  for_tiles(tiles, K * kTile, M, [&](int64_t t, float* tot) {
+    std::fill(tot, tot + M * kTile, 0.0f);
+    const c10::Half* st = sd + t * groups * kTile;
+    chan_all_rows(xd, M, K, group, ChanI8{qd + t * K * kTile},
+                  [&](int64_t m0, int64_t g, __m256 (*acc)[2], int mt) {
+                    const __m256 s0 = load_half8(st + g * kTile), s1 = load_half8(st + g * kTile + 8);
+                    for (int i = 0; i < mt; ++i) {
+                      float* o = tot + (m0 + i) * kTile;
+                      _mm256_storeu_ps(o, _mm256_fmadd_ps(acc[i][0], s0, _mm256_loadu_ps(o)));
+                      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(acc[i][1], s1, _mm256_loadu_ps(o + 8)));
+                    }
+                  });
+    out.store(tot, M, t);
+  });
+}
+
+// A group's 16 scales and level-0 values (the weight of q = 0) from its (2, 16) parameters:
+// bfloat16 (scale, zero) of W = (q - 8) scale + zero: level 0 = zero - 8 scale (exact in
+// float32 for bf16 inputs); float16 (d, m) of GGUF's W = q d + m: level 0 = m.
+inline void group_affine(const bf16* p, __m256& s0, __m256& s1, __m256& l0, __m256& l1) {
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  s0 = load_bf16x8(p);
+  s1 = load_bf16x8(p + 8);
+  l0 = _mm256_fnmadd_ps(eight, s0, load_bf16x8(p + 16));
+  l1 = _mm256_fnmadd_ps(eight, s1, load_bf16x8(p + 24));
+}
+inline void group_affine(const c10::Half* p, __m256& s0, __m256& s1, __m256& l0, __m256& l1) {
+  s0 = load_half8(p);
+  s1 = load_half8(p + 8);
+  l0 = load_half8(p + 16);
+  l1 = load_half8(p + 24);
+}
+
+template <class Param>
+void int4_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& sz,
+                       const float* bias, at::Tensor& y) {
+  const int64_t M = xf.size(0), K = xf.size(1), tiles = q.size(0), N = tiles * kTile;
+  const int64_t groups = sz.size(1), group = K / groups;
+  const float* xd = xf.data_ptr<float>();
+  // Per row and group: sum of x over the group (what each group's zero point multiplies).
+  std::vector<float> xsum(M * groups, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t k = g * group; k < (g + 1) * group; k += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(xd + m * K + k));
+      xsum[m * groups + g] = hsum8(a);
+    }
+  const uint8_t* qd = q.data_ptr<uint8_t>();
+  const auto* szd = reinterpret_cast<const Param*>(sz.data_ptr());
+  const TileOut out(y, bias, N);
+  for_tiles(tiles, K * kTile / 2, M, [&](int64_t t, float* tot) {
+    std::fill(tot, tot + M * kTile, 0.0f);
+    const Param* st = szd + t * groups * 2 * kTile;
+    chan_all_rows(xd, M, K, group, ChanI4{qd + t * K * (kTile / 2)},
+                  [&](int64_t m0, int64_t g, __m256 (*acc)[2], int mt) {
+                    __m256 s0, s1, l0, l1;
+                    group_affine(st + g * 2 * kTile, s0, s1, l0, l1);
+                    for (int i = 0; i < mt; ++i) {
+                      float* o = tot + (m0 + i) * kTile;
+                      const __m256 xs = _mm256_set1_ps(xsum[(m0 + i) * groups + g]);
+                      __m256 v0 = _mm256_fmadd_ps(acc[i][0], s0, _mm256_loadu_ps(o));
+                      __m256 v1 = _mm256_fmadd_ps(acc[i][1], s1, _mm256_loadu_ps(o + 8));
+                      _mm256_storeu_ps(o, _mm256_fmadd_ps(l0, xs, v0));
+                      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(l1, xs, v1));
+                    }
+                  });
+    out.store(tot, M, t);
+  });
+}
+
 #endif  // PAGEDSERVE_AVX2
 
 // x (..., K) as a contiguous (M, K) matrix (a view when it already is one): the reshape
@@ -242,6 +442,63 @@ at::Tensor gemv_int8(const at::Tensor& x_in, const at::Tensor& w, const at::Tens
   return y;
 }
 
+// Checks shared by the grouped ops: x (M, K) with K = rows of each tile; `scales` (tiles, G, ...)
+// with G dividing K into groups that are multiples of 32; bias (N,) of any float dtype.
+void check_grouped(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                   int64_t bytes_per_k, const c10::optional<at::Tensor>& bias, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(1) == x.size(1) && q.size(2) == bytes_per_k, op,
+              ": q must be contiguous channel tiles (N/16, K, ", bytes_per_k, ") with K = x.size(-1)");
+  TORCH_CHECK(scales.is_contiguous() && scales.size(0) == q.size(0) && scales.size(1) > 0 &&
+                  x.size(1) % scales.size(1) == 0 && (x.size(1) / scales.size(1)) % 32 == 0,
+              op, ": scales must be contiguous (N/16, K/group, ...) with group a multiple of 32");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == q.size(0) * kTile, op, ": bias must have N elements");
+}
+
+at::Tensor gemv_int8_grouped(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
+                             const c10::optional<at::Tensor>& bias) {
+  const at::Tensor x = rows_view(x_in, "gemv_int8_grouped");
+  check_grouped(x, q, scale, kTile, bias, "gemv_int8_grouped");
+  TORCH_CHECK(q.scalar_type() == at::kChar, "gemv_int8_grouped: q must be int8");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(2) == kTile,
+              "gemv_int8_grouped: scale must be (N/16, K/group, 16) float16");
+  at::Tensor y = at::empty(out_shape(x_in, q.size(0) * kTile), x.options());
+#if defined(PAGEDSERVE_AVX2)
+  if (x.size(0) == 0) return y;
+  at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  int8_grouped_impl(x_as_float(x, false).contiguous(), q, scale, bf.defined() ? bf.data_ptr<float>() : nullptr, y);
+#else
+  TORCH_CHECK(false, "gemv_int8_grouped: this build has no AVX2/FMA support");
+#endif
+  return y;
+}
+
+at::Tensor gemv_int4_grouped(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales_zeros,
+                             const c10::optional<at::Tensor>& bias) {
+  const at::Tensor x = rows_view(x_in, "gemv_int4_grouped");
+  check_grouped(x, q, scales_zeros, kTile / 2, bias, "gemv_int4_grouped");
+  TORCH_CHECK(q.scalar_type() == at::kByte, "gemv_int4_grouped: q must be uint8");
+  const bool gguf_form = scales_zeros.scalar_type() == at::kHalf;
+  TORCH_CHECK((gguf_form || scales_zeros.scalar_type() == at::kBFloat16) && scales_zeros.dim() == 4 &&
+                  scales_zeros.size(2) == 2 && scales_zeros.size(3) == kTile,
+              "gemv_int4_grouped: scales_zeros must be (N/16, K/group, 2, 16) bfloat16 (scale, zero) "
+              "or float16 (d, m)");
+  at::Tensor y = at::empty(out_shape(x_in, q.size(0) * kTile), x.options());
+#if defined(PAGEDSERVE_AVX2)
+  if (x.size(0) == 0) return y;
+  at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bd = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  if (gguf_form)
+    int4_grouped_impl<c10::Half>(x_as_float(x, false).contiguous(), q, scales_zeros, bd, y);
+  else
+    int4_grouped_impl<bf16>(x_as_float(x, false).contiguous(), q, scales_zeros, bd, y);
+#else
+  TORCH_CHECK(false, "gemv_int4_grouped: this build has no AVX2/FMA support");
+#endif
+  return y;
+}
+
 bool available() {
 #if defined(PAGEDSERVE_AVX2)
   return true;
@@ -257,8 +514,12 @@ int64_t max_rows() { return kMaxRows; }
 TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
   m.def("gemv_dense(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("gemv_int8(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("gemv_int8_grouped(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("gemv_int4_grouped(Tensor x, Tensor q, Tensor scales_zeros, Tensor? bias) -> Tensor");
   m.def("available() -> bool", &available);
   m.def("max_rows() -> int", &max_rows);
   m.impl("gemv_dense", c10::DispatchKey::CPU, &gemv_dense);
   m.impl("gemv_int8", c10::DispatchKey::CPU, &gemv_int8);
+  m.impl("gemv_int8_grouped", c10::DispatchKey::CPU, &gemv_int8_grouped);
+  m.impl("gemv_int4_grouped", c10::DispatchKey::CPU, &gemv_int4_grouped);
 }

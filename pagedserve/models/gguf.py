@@ -129,6 +129,14 @@ def gguf_weight_types(path: str | Path) -> set[str]:
     return {t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2}
 
 
+def gguf_tensor_types(path: str | Path, config: PretrainedConfig) -> dict[str, str]:
+    """HF parameter name -> GGUF tensor type ("Q8_0", "F16", ...) for every mapped tensor."""
+    path = Path(path)
+    reader = _reader(path)
+    names = _gguf_to_hf_names(_architecture(reader, path), config)
+    return {names[t.name]: t.tensor_type.name for t in reader.tensors if t.name in names}
+
+
 def iter_gguf_tensors(
     path: str | Path,
     config: PretrainedConfig,

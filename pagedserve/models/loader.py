@@ -18,9 +18,12 @@ Without one, CPU float32/bfloat16 layers are repacked the same way for oneDNN's 
 (quantization/packed.py).
 
 A GGUF file's Q8_0/Q4_0/Q4_1 weights are dequantized into the serving dtype here (and
-requantized by a QuantizationConfig if one is given). `models.gguf.iter_gguf_tensors(...,
-keep_quantized=True)` yields them as `GGUFQuantizedTensor` blocks instead (rows already in HF
-order): the seam for a linear method that takes llama.cpp's blocks as they are.
+requantized by an int8 / int4 QuantizationConfig if one is given). With
+`QuantizationConfig("gguf")` a linear layer whose tensors are all Q8_0 (all Q4_0 / Q4_1) gets a
+method that takes the raw `GGUFQuantizedTensor` blocks (`iter_gguf_tensors(...,
+keep_quantized=True)`, rows already in HF order) and installs them as group-wise int8 (int4)
+without requantizing (quantization/gguf_blocks.py); every other tensor (norms, embedding, LM
+head, float or mixed layers) is dequantized into the serving dtype as without it.
 """
 
 from __future__ import annotations
@@ -46,7 +49,13 @@ from pagedserve.distributed.parallel_state import (
     check_tensor_parallel_size,
     tensor_parallel,
 )
-from pagedserve.models.gguf import gguf_weight_types, iter_gguf_tensors, load_gguf_config
+from pagedserve.models.gguf import (
+    GGUFQuantizedTensor,
+    gguf_tensor_types,
+    gguf_weight_types,
+    iter_gguf_tensors,
+    load_gguf_config,
+)
 from pagedserve.models.hub import is_gguf
 from pagedserve.models.layers.embedding import LMHead
 from pagedserve.models.layers.linear import LinearBase, RowParallelLinear, default_weight_loader
@@ -91,13 +100,18 @@ def load_model(
     model_cls = get_model_class(architectures[0])
     if tp is not None:
         check_tensor_parallel_size(config, tp.size)
+    serve_blocks = quantization is not None and quantization.method == "gguf"
+    if serve_blocks:
+        check_gguf_quantization(path, tp)
     with _default_dtype(dtype), torch.device(device), tensor_parallel(tp):
         model = model_cls(config)
-        if quantization is not None:
+        if serve_blocks:
+            attach_gguf_methods(model, gguf_tensor_types(path, config), torch.device(device))
+        elif quantization is not None:
             attach_quant_methods(model, quantization, torch.device(device))
         attach_packed_methods(model, torch.device(device))
     if is_gguf(path):
-        load_weights(model, iter_gguf_tensors(path, config, dtype))
+        load_weights(model, iter_gguf_tensors(path, config, dtype, keep_quantized=serve_blocks))
     else:
         load_weights(model, iter_checkpoint(path))
     logger.info("weights: %.1f MiB resident (%s)", weight_bytes(model) / 2**20, _describe(model))
@@ -173,6 +187,8 @@ def check_shardable(
     the engine refuses before starting any worker process."""
     config = load_hf_config(path)
     check_tensor_parallel_size(config, tp_size)
+    if quantization is not None and quantization.method == "gguf":
+        check_gguf_quantization(path, TPGroup(rank=0, size=tp_size))
     with torch.device("meta"), tensor_parallel(TPGroup(rank=0, size=tp_size)):
         model = get_model_class(config.architectures[0])(config)
     if quantization is not None:
@@ -193,6 +209,50 @@ def _check_groups_within_shard(name: str, module: nn.Module, quantization: Quant
             f"{module.tp.size}): its groups would straddle two ranks; use a smaller group size "
             "or another tensor_parallel_size"
         )
+
+
+def check_gguf_quantization(path: str | Path, tp: TPGroup | None = None) -> None:
+    """quantization='gguf' serves a .gguf file's blocks; anything else is refused (named)."""
+    if not is_gguf(path):
+        raise ValueError(
+            f"quantization='gguf' serves the quantized blocks of a .gguf model file, but the "
+            f"model {str(path)!r} is not one (use int8 / int4 to quantize other checkpoints)"
+        )
+    if tp is not None and tp.size > 1:
+        # The file's blocks are loaded whole; cutting them into rank shards is not written yet.
+        raise ValueError(
+            "quantization='gguf' is not supported with tensor_parallel_size > 1 (the GGUF "
+            "blocks are not sharded); use int8 / int4, which quantize each rank's shard"
+        )
+
+
+def attach_gguf_methods(model: nn.Module, types: dict[str, str], device: torch.device) -> None:
+    """quantization='gguf': each linear layer whose checkpoint tensors (every shard of a fused
+    one) are all Q8_0 gets `GGUFInt8Method`, all Q4_0 / Q4_1 `GGUFInt4Method`; the rest stay
+    full precision (dequantized at load). A layer mixing int8 and int4 blocks is named in a
+    warning."""
+    from pagedserve.quantization.gguf_blocks import TARGETS, gguf_method
+
+    if device.type != "cpu":
+        raise ValueError(f"quantization='gguf' has CPU kernels only (device {device})")
+    mapping = getattr(model, "stacked_params_mapping", [])
+    mixed, counts = [], defaultdict(int)
+    for prefix, module in model.named_modules():
+        if not isinstance(module, LinearBase):
+            continue
+        param_name = f"{prefix}.weight"
+        names = [param_name.replace(ours, theirs) for theirs, ours, _ in mapping if ours in param_name]
+        qtypes = {types.get(n, "missing") for n in (names or [param_name])}
+        method = gguf_method(qtypes)
+        if method is not None:
+            module.set_quant_method(method)
+            counts[method.name] += 1
+        elif qtypes <= set(TARGETS):  # all quantized, but int8 and int4 blocks together
+            mixed.append(f"{prefix} ({'+'.join(sorted(qtypes))})")
+    logger.info("quantization=gguf: %s", ", ".join(f"{n} {k} layers" for k, n in counts.items()) or "no layer")
+    if mixed:
+        logger.warning("quantization=gguf: these layers mix int8 and int4 blocks and load "
+                       "dequantized: %s", ", ".join(mixed))
 
 
 def attach_packed_methods(model: nn.Module, device: torch.device) -> None:
@@ -290,7 +350,9 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | GGUFQuantizedTensor]]
+) -> None:
     """Copy checkpoint tensors into `model`'s parameters; ValueError if any is missing/unexpected."""
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
     expected = {(n, s) for n, p in params.items() for s in getattr(p, "shard_ids", (None,))}
@@ -313,6 +375,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         if param is None:
             unexpected.append(name)
             continue
+        if isinstance(tensor, GGUFQuantizedTensor) and not getattr(param, "gguf_blocks", False):
+            tensor = tensor.dequantize().to(param.dtype)  # a tensor served in full precision
         try:
             loader = getattr(param, "weight_loader", None)
             if loader is not None:

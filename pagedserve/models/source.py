@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 from pagedserve.config import ModelConfig
 from pagedserve.dtypes import serving_dtype
 from pagedserve.models.hub import is_gguf, looks_like_hub_id, resolve_hub_id, resolve_model_path
-from pagedserve.models.loader import checkpoint_dtype, load_hf_config
+from pagedserve.models.loader import check_gguf_quantization, checkpoint_dtype, load_hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ def resolve_model_source(model_cfg: ModelConfig, device: torch.device) -> ModelS
         ValueError: unsupported architecture, dtype or checkpoint.
     """
     path = resolve_model_path(model_cfg.model, model_cfg.revision, model_cfg.download_dir)
+    if model_cfg.quantization == "gguf":
+        check_gguf_quantization(path)  # before the tokenizer and config are read
     tokenizer = None
     if not model_cfg.skip_tokenizer_init:
         tokenizer = _resolve_tokenizer(model_cfg, path)

@@ -6,7 +6,9 @@
     int8.py          per-output-channel symmetric int8 (group_size -1), own AVX512-BF16
                      kernel or torch's CPU int8 kernel, bf16 activations
     int4.py          group-wise affine int4 (a scale and a zero per group, like Q4_1),
-                     torch's CPU int4 kernel + bf16 GEMM
+                     the decode GEMV kernel (AVX2) or torch's CPU int4 kernel + bf16 GEMM
+    gguf_blocks.py   "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks loaded as they are into
+                     the int8 (group 32) / int4 methods
     kv_int8.py       int8 K/V rows with a per-token-per-head float32 scale
 
 The loader (models/loader.py) attaches a method to every linear layer of the base model
@@ -21,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagedserve.quantization.base import LinearMethod, UnquantizedLinearMethod
 
-QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 GROUP_SIZES = (32, 64, 128, 256)
 PER_CHANNEL = -1  # int8 only: one scale per output channel
 # group_size None picks these; BENCHMARKS.md ("Real-text quality") shows why int8 uses 32.
-DEFAULT_GROUP_SIZES = {"int8": 32, "int4": 32}
+DEFAULT_GROUP_SIZES = {"int8": 32, "int4": 32, "gguf": 32}  # gguf: the file's blocks of 32
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,9 @@ class QuantizationConfig:
     """What to quantize and how.
 
     Args:
-        method: "int8" (symmetric, group-wise or per output channel) or "int4" (group-wise,
-            affine).
+        method: "int8" (symmetric, group-wise or per output channel), "int4" (group-wise,
+            affine), or "gguf" (a GGUF file's quantized blocks as they are: the file decides
+            each layer's format; models/loader.py).
         group_size: group along the input dim: 32, 64, 128 or 256; for int8 also -1 (one
             scale per output channel). None: the method's default (32 for both).
         quantize_lm_head: also quantize the LM head (embeddings always stay full precision;
@@ -51,6 +54,12 @@ class QuantizationConfig:
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None; "
                 f"got {self.method!r}"
             )
+        if self.method == "gguf" and self.group_size is not None:
+            raise ValueError("quantization_group_size cannot be set with quantization='gguf' "
+                             "(the file's blocks of 32 are served as they are)")
+        if self.method == "gguf" and self.quantize_lm_head:
+            raise ValueError("quantize_lm_head applies to quantization='int8' or 'int4', not 'gguf' "
+                             "(the LM head is loaded dequantized)")
         allowed = GROUP_SIZES + ((PER_CHANNEL,) if self.method == "int8" else ())
         if self.group_size is not None and self.group_size not in allowed:
             raise ValueError(
@@ -62,7 +71,10 @@ class QuantizationConfig:
         return self.group_size if self.group_size is not None else DEFAULT_GROUP_SIZES[self.method]
 
     def linear_method(self) -> LinearMethod:
-        """A fresh method object (methods are stateless; one is shared by all layers)."""
+        """A fresh method object (methods are stateless; one is shared by all layers).
+        "gguf" has none: the loader picks one per layer from the file's tensor types."""
+        if self.method == "gguf":
+            raise ValueError("quantization='gguf' has a method per layer (models/loader.py)")
         group = self.effective_group_size
         if self.method == "int8" and group == PER_CHANNEL:
             from pagedserve.quantization.int8 import Int8LinearMethod

@@ -6,7 +6,8 @@ what the machine streams (the issue-18 profile: 88% of a SmolLM2 bf16 token in i
 The C++ kernel streams the weight once, front to back per thread, doing every row's
 multiply-adds on each weight vector while it is in registers.
 
-Layout ("pair tiles", the one `int8.pack_for_cpp` already uses for int8):
+Layout of full-precision and per-channel int8 weights ("pair tiles", the one
+`int8.pack_for_cpp` already uses for int8):
 
     W (out, in)  ->  (out/16, in/2, 16, 2):  tile[t, p, j, e] = W[16 t + j, 2 p + e]
 
@@ -15,6 +16,15 @@ beside the GEMM path's own (`gemv_weight`; for int8 on AVX512-BF16 CPUs the C++ 
 `qweight_packed` already is one). That costs one more copy of full-precision weights
 (`PAGEDSERVE_GEMV=off` saves it, and uses the GEMM at every batch size).
 `benchmarks/gemv_micro.py` times this kernel against the GEMM path, alternating.
+
+Group-wise int8 / int4 weights (a scale per group of input columns) use "channel tiles"
+instead, where one k of 16 output channels is contiguous, so a group's 16 scales multiply
+whole vectors of partial sums (see the C++ source):
+
+    int8  q (out, in)        -> (out/16, in, 16) int8:   tile[t, k, j] = q[16 t + j, k]
+          scale (out, in/g)  -> (out/16, in/g, 16) float16
+    int4  q (out, in) 0..15  -> (out/16, in, 8) uint8:   byte j = q[16t + j, k] | q[16t + 8 + j, k] << 4
+          scale, zero (in/g, out) -> (out/16, in/g, 2, 16) bfloat16 (or GGUF's d, m in float16)
 """
 
 from __future__ import annotations
@@ -30,6 +40,12 @@ TILE = 16
 # Rows up to which the kernel is used (its build refuses more; a decode batch this small is
 # memory-bound, a larger one is better served by a blocked GEMM).
 MAX_ROWS = 8
+# Activation dtypes the ops take (a float16 model's layers use their torch paths).
+X_DTYPES = (torch.float32, torch.bfloat16)
+# Group-wise methods: rows up to which they call the kernel 8 rows at a time rather than
+# dequantize the whole weight for a GEMM (the kernel multiplies 8 rows at ~the GEMM's rate
+# here, and dequantizing costs a pass over every weight per call).
+GROUPED_MAX_ROWS = 32
 
 
 @functools.lru_cache(maxsize=1)  # a no-argument cache: ~50 ns on the per-layer hot path
@@ -65,6 +81,12 @@ def takes(weight: torch.Tensor) -> bool:
     )
 
 
+def takes_grouped(q: torch.Tensor) -> bool:
+    """Whether the group-wise ops can take this (out, in) quantized weight (and are in use);
+    its groups must be multiples of 32 columns, which every group size of the methods is."""
+    return q.device.type == "cpu" and q.shape[0] % TILE == 0 and gemv_ops() is not None
+
+
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     """(out, in) -> (out/16, in/2, 16, 2), any dtype: tiles of 16 channels, k-pair by k-pair."""
     out_features, in_features = weight.shape
@@ -95,3 +117,73 @@ def int8(
     """x (..., in) -> float(bf16(bf16(x) q^T)) * scale + bias (..., out) float32; at most
     MAX_ROWS rows."""
     return _ops().gemv_int8(x, tiles, scale, bias)
+
+
+def pack_int8_grouped(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (out, in) int8, scale (out, in / g) -> channel tiles (out/16, in, 16) and scales
+    (out/16, in / g, 16), the layout of `int8_grouped`."""
+    out_features, in_features = q.shape
+    tiles = q.view(out_features // TILE, TILE, in_features).transpose(1, 2).contiguous()
+    scales = scale.view(out_features // TILE, TILE, -1).transpose(1, 2).contiguous()
+    return tiles, scales
+
+
+def unpack_int8_grouped(tiles: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `pack_int8_grouped`: (q (out, in), scale (out, in / g))."""
+    num_tiles, in_features = tiles.shape[:2]
+    q = tiles.transpose(1, 2).reshape(num_tiles * TILE, in_features)
+    return q, scales.transpose(1, 2).reshape(num_tiles * TILE, -1)
+
+
+def int8_grouped(
+    x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (..., in) float32/bf16 -> x (q * scale)^T + b (..., out) in x.dtype, float32
+    products and sums; at most MAX_ROWS rows."""
+    return _ops().gemv_int8_grouped(x, tiles, scales, bias)
+
+
+def pack_int4_grouped(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (out, in) uint8 in [0, 15], per-group parameters (in / g, out) -> channel tiles
+    (out/16, in, 8) uint8 (two channels per byte) and (out/16, in / g, 2, 16) parameters.
+
+    The parameters' dtype says their meaning to the kernel: bfloat16 (scale, zero) of
+    W = (q - 8) * scale + zero (`quantize_int4`), or float16 (d, m) of W = q * d + m (a GGUF
+    file's Q4_1 / Q4_0 blocks as stored)."""
+    if scale.dtype not in (torch.bfloat16, torch.float16) or zero.dtype != scale.dtype:
+        raise ValueError("int4 group parameters must be both bfloat16 (scale, zero) or both float16 (d, m)")
+    out_features, in_features = q.shape
+    halves = q.contiguous().view(out_features // TILE, 2, TILE // 2, in_features)  # (T, 2, 8, in)
+    # Both nibbles on contiguous rows first, then one transposing copy of the packed bytes.
+    tiles = (halves[:, 0] | (halves[:, 1] << 4)).transpose(1, 2).contiguous()  # (T, in, 8)
+    sz = torch.stack((scale.t(), zero.t()), dim=1)  # (out, 2, in / g)
+    sz = sz.view(out_features // TILE, TILE, 2, -1).permute(0, 3, 2, 1)
+    return tiles, sz.contiguous()
+
+
+def unpack_int4_grouped(
+    tiles: torch.Tensor, sz: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `pack_int4_grouped`: (q (out, in) uint8, the two parameters (in / g, out))."""
+    num_tiles, in_features = tiles.shape[:2]
+    t = torch.cat((tiles & 15, tiles >> 4), dim=-1)  # (T, in, 16)
+    q = t.transpose(1, 2).reshape(num_tiles * TILE, in_features)
+    scale_zero = sz.permute(0, 3, 2, 1).reshape(num_tiles * TILE, 2, -1)  # (out, 2, in / g)
+    return q, scale_zero[:, 0].t().contiguous(), scale_zero[:, 1].t().contiguous()
+
+
+def int4_grouped(
+    x: torch.Tensor, tiles: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (..., in) float32/bf16 -> x W^T + b (..., out) in x.dtype, W = (q - 8) * scale + zero
+    (bf16 parameters) or q * d + m (fp16), float32 products and sums; at most MAX_ROWS rows."""
+    return _ops().gemv_int4_grouped(x, tiles, scales_zeros, bias)
+
+
+def in_chunks(op: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """op(x, *args) for x with more than MAX_ROWS rows: MAX_ROWS rows per call, concatenated."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.cat([op(c, *args) for c in x2.split(MAX_ROWS)])
+    return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -8,17 +8,32 @@ matching LinearMethod installs with its `set_quantized`:
           -> Int8GroupedLinearMethod (group 32): exactly the same numbers
     Q4_0  blocks of 32: float16 d, 16 bytes of nibbles  w = d * (q - 8)
     Q4_1  blocks of 32: float16 d, float16 m, 16 bytes  w = d * q + m
-          -> Int4LinearMethod (group 32): w = (q - 8) * scale + zero, so scale = d and
-             zero = m + 8 d (Q4_0: zero = 0). q is kept as is; scale and zero are stored
-             in bfloat16 (the int4 kernel's dtype), a 2^-9 relative rounding of d and m.
+          -> Int4LinearMethod (group 32): where the decode GEMV kernel runs, q, d and m
+             as stored (float16 d, m; Q4_0: m = -8 d), the same numbers
+             (`gguf_q4_values`, `set_quantized_gguf`); for torch's int4 kernel
+             w = (q - 8) * scale + zero, so scale = d and zero = m + 8 d (Q4_0: zero = 0),
+             stored in bfloat16 (its dtype), a 2^-9 relative rounding of d and m.
 
 Nibble order inside a block (ggml): byte j holds q[j] in its low nibble and q[j + 16] in its
 high nibble.
+
+`--quantization gguf` (models/loader.py) gives each linear layer whose tensors are all Q8_0
+`GGUFInt8Method`, all Q4_0 / Q4_1 `GGUFInt4Method` (`gguf_method`): these take the raw blocks
+through the layer's weight loader and install the decoded values above. A layer with a float
+tensor (F32 / F16 / BF16), or with int8 and int4 shards mixed (e.g. q Q8_0, k Q4_1, fused into
+one qkv_proj), loads dequantized like the embedding and the LM head.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch import nn
+
+from pagedserve.quantization.base import LinearMethod
+from pagedserve.quantization.int4 import Int4LinearMethod
+from pagedserve.quantization.int8_grouped import Int8GroupedLinearMethod
 
 BLOCK = 32
 
@@ -36,7 +51,7 @@ def _half(blocks: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def _nibbles(blocks: torch.Tensor, offset: int, shape: tuple[int, int]) -> torch.Tensor:
-    packed = blocks[..., offset : offset + BLOCK // 2]
+    packed = blocks[..., offset : offset + BLOCK // 2].contiguous()  # vectorized ops below
     return torch.cat((packed & 15, packed >> 4), dim=-1).reshape(shape)
 
 
@@ -55,8 +70,109 @@ def from_gguf_q4_0(raw: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Ten
     return _nibbles(blocks, 2, shape), d.t().contiguous(), torch.zeros_like(d).t().contiguous()
 
 
+def gguf_q4_values(raw: torch.Tensor, shape: tuple[int, int], qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 bytes -> (q uint8 (out, in), d, m float16 (in / 32, out)), W = q * d + m
+    exactly as stored (Q4_0: m = -8 d, exact in float16) for Int4LinearMethod.set_quantized_gguf."""
+    if qtype == "Q4_1":
+        blocks = _blocks(raw, shape, 4 + BLOCK // 2)
+        d, m = _half(blocks, 0), _half(blocks, 2)
+        q = _nibbles(blocks, 4, shape)
+    else:
+        blocks = _blocks(raw, shape, 2 + BLOCK // 2)
+        d = _half(blocks, 0)
+        m, q = -8 * d, _nibbles(blocks, 2, shape)
+    return q, d.t().to(torch.float16).contiguous(), m.t().to(torch.float16).contiguous()
+
+
 def from_gguf_q4_1(raw: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_1 bytes -> (q uint8 (out, in), scale, zero float32 (in / 32, out)) for Int4LinearMethod."""
     blocks = _blocks(raw, shape, 4 + BLOCK // 2)
     d, m = _half(blocks, 0), _half(blocks, 2)
     return _nibbles(blocks, 4, shape), d.t().contiguous(), (m + 8 * d).t().contiguous()
+
+
+# ---- linear methods that load a GGUF file's blocks (`--quantization gguf`) ----------------
+
+# GGUF type of a linear weight -> the method family its blocks load into.
+TARGETS = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
+
+
+class _GGUFBlocks:
+    """Mixin: the weight arrives as `GGUFQuantizedTensor` shards (one per fused projection,
+    e.g. q / k / v) and is installed, concatenated along the output rows, with the target
+    method's `set_quantized`, with the file's numbers (no requantizing).
+
+    `create_weights` registers a placeholder `weight` (no storage) whose loader keeps the
+    shards on the layer until `process_weights_after_loading`.
+    """
+
+    def create_weights(self, layer: nn.Module) -> None:
+        weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        weight.weight_loader = functools.partial(_keep_shard, layer)  # type: ignore[attr-defined]
+        weight.gguf_blocks = True  # type: ignore[attr-defined]  # the loader hands raw blocks
+        layer.weight = weight
+        layer.gguf_shards = {}
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        shards = layer.gguf_shards
+        order = list(layer.shard_ids) if getattr(layer, "shard_ids", None) else [None]
+        parts = [_decode(shards[s]) for s in order]
+        del layer.weight, layer.gguf_shards
+        self._install(layer, parts)  # type: ignore[attr-defined]
+
+
+def _keep_shard(layer: nn.Module, param: torch.Tensor, blocks: object, shard_id: object = None) -> None:
+    from pagedserve.models.gguf import GGUFQuantizedTensor
+
+    if not isinstance(blocks, GGUFQuantizedTensor):
+        raise ValueError(f"expected GGUF quantized blocks, got {type(blocks).__name__}")
+    rows = layer.output_size if shard_id is None else layer.shard_slice(shard_id).stop - layer.shard_slice(shard_id).start
+    if blocks.shape != (rows, layer.input_size):
+        raise ValueError(f"shape mismatch: parameter {(rows, layer.input_size)}, checkpoint {blocks.shape}")
+    layer.gguf_shards[shard_id] = blocks
+
+
+def _decode(blocks: object) -> tuple[torch.Tensor, ...]:
+    qtype, raw, shape = blocks.qtype, blocks.blocks, blocks.shape  # type: ignore[attr-defined]
+    return from_gguf_q8_0(raw, shape) if qtype == "Q8_0" else gguf_q4_values(raw, shape, qtype)
+
+
+class GGUFInt8Method(_GGUFBlocks, Int8GroupedLinearMethod):
+    """Q8_0 blocks as group-wise int8 (group 32): the same numbers, bit for bit."""
+
+    name = "gguf-q8_0"
+
+    def __init__(self) -> None:
+        super().__init__(BLOCK)
+
+    def _install(self, layer: nn.Module, parts: list[tuple[torch.Tensor, ...]]) -> None:
+        q = torch.cat([p[0] for p in parts])
+        scale = torch.cat([p[1] for p in parts])
+        self.set_quantized(layer, q, scale)
+
+
+class GGUFInt4Method(_GGUFBlocks, Int4LinearMethod):
+    """Q4_0 / Q4_1 blocks as affine int4 (group 32): q, d and m as stored where the GEMV
+    kernel runs (else scale and zero in bf16, see `set_quantized_gguf`)."""
+
+    name = "gguf-q4"
+
+    def __init__(self) -> None:
+        super().__init__(BLOCK)
+
+    def _install(self, layer: nn.Module, parts: list[tuple[torch.Tensor, ...]]) -> None:
+        q = torch.cat([p[0] for p in parts])
+        d = torch.cat([p[1] for p in parts], dim=1)
+        m = torch.cat([p[2] for p in parts], dim=1)
+        self.set_quantized_gguf(layer, q, d, m)
+
+
+def gguf_method(qtypes: set[str]) -> LinearMethod | None:
+    """The method for a linear layer whose checkpoint tensors have these GGUF types, or None
+    (full precision: a float tensor among them, or int8 and int4 blocks mixed in one layer)."""
+    targets = {TARGETS.get(t) for t in qtypes}
+    if targets == {"int8"}:
+        return GGUFInt8Method()
+    if targets == {"int4"}:
+        return GGUFInt4Method()
+    return None

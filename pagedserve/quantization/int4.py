@@ -14,7 +14,16 @@ Storage (the layout of torch's CPU kernel `aten._weight_int4pack_mm_for_cpu`):
 The kernel takes scales/zeros in the activation dtype, bfloat16; quantization already uses
 the bf16-rounded scale and zero, so the stored values are the ones q was fitted against.
 
-`apply`, with x cast to bfloat16 like the int8 method (the kernels' dtype):
+`apply` where the decode GEMV kernel runs (AVX2/FMA; quantization/gemv.py, `gemv_int4_grouped`):
+the layer keeps its weights only as the kernel's channel tiles (`qweight_tiles` (out/16, in, 8)
+uint8, `scales_zeros_tiles` (out/16, in/g, 2, 16) bfloat16, the same numbers), and
+  * rows <= 32: the kernel, 8 rows per call: x as it is (float32 for a float32 model), float32
+    products of x and the exact (q - 8) * scale + zero, float32 sums, one rounding to x's dtype;
+  * more rows: the weight dequantized block by block into bfloat16 where the CPU multiplies
+    bf16 natively (AVX512-BF16 / AMX), else into float32 (a bf16 GEMM without native support
+    runs ~6x slower than fp32's), and the GEMM in that dtype.
+Otherwise (PAGEDSERVE_GEMV=off, no AVX2), with x cast to bfloat16 like the int8 method (the
+kernels' dtype):
   * rows <= kernel_max_rows (64): the kernel (reads 4-bit weights: decode is memory-bound);
   * more rows: unpack the weight to bf16 (two passes, ~0.5 ns per weight on one core, in
     ~4 MiB chunks of output rows) and run oneDNN's bf16 GEMM, faster than the kernel's (or
@@ -27,10 +36,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.dtypes import cpu_has_native_bf16
+from pagedserve.quantization import gemv
 from pagedserve.quantization.base import LinearMethod, add_bias
 
 logger = logging.getLogger(__name__)
@@ -152,9 +165,10 @@ class Int4LinearMethod(LinearMethod):
 
     name = "int4"
 
-    def __init__(self, group_size: int = 128, kernel_max_rows: int = 64) -> None:
+    def __init__(self, group_size: int = 128, kernel_max_rows: int = 64, gemv: bool = True) -> None:
         self.group_size = group_size
         self.kernel_max_rows = kernel_max_rows
+        self.gemv = gemv  # False: torch's int4 kernel layout even where the GEMV kernel runs
 
     def supports(self, layer: nn.Module) -> bool:
         """Whether the kernel accepts this layer's shape (out % 16, a valid group size)."""
@@ -170,21 +184,73 @@ class Int4LinearMethod(LinearMethod):
         del layer.weight
         self.set_quantized(layer, q, scale, zero, group)
 
-    @staticmethod
     def set_quantized(
+        self,
         layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
     ) -> None:
         """Installs already-quantized weights: q (out, in) in [0, 15], scale / zero (in / g, out)
-        (from `quantize_int4`, or a GGUF file's blocks via quantization/gguf_blocks.py)."""
+        (from `quantize_int4`, or a GGUF file's blocks via quantization/gguf_blocks.py): as the
+        GEMV kernel's channel tiles where it runs, else in torch's int4 kernel layout."""
+        layer.group_size = group
+        if self.gemv and gemv.takes_grouped(q):
+            tiles, sz = gemv.pack_int4_grouped(q, scale.to(COMPUTE_DTYPE), zero.to(COMPUTE_DTYPE))
+            layer.register_buffer("qweight_tiles", tiles)
+            layer.register_buffer("scales_zeros_tiles", sz)
+            return
         layer.register_buffer("qweight", pack_int4(q))
         sz = torch.stack((scale, zero), dim=-1).to(COMPUTE_DTYPE).contiguous()
         layer.register_buffer("scales_zeros", sz)
         layer.group_size = group
 
+    def set_quantized_gguf(self, layer: nn.Module, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        """Installs a GGUF file's Q4_1 / Q4_0 values, W = q * d + m with float16 d, m (in / 32,
+        out): exactly, as float16 (d, m) channel tiles, where the GEMV kernel runs; else as
+        bfloat16 scale = d, zero = m + 8 d (a 2^-9 relative rounding) for torch's kernel."""
+        if self.gemv and gemv.takes_grouped(q):
+            layer.group_size = 32
+            tiles, dm = gemv.pack_int4_grouped(q, d.to(torch.float16), m.to(torch.float16))
+            layer.register_buffer("qweight_tiles", tiles)
+            layer.register_buffer("scales_zeros_tiles", dm)
+            return
+        self.set_quantized(layer, q, d.float(), m.float() + 8 * d.float(), 32)
+
     def weight_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
+        if hasattr(layer, "qweight_tiles"):
+            return [layer.qweight_tiles, layer.scales_zeros_tiles]
         return [layer.qweight, layer.scales_zeros]
 
+    def int_weight(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q (out, in) uint8 in [0, 15], scale, zero (in / g, out)) as stored (copies),
+        whichever layout the layer keeps: bfloat16, or for GGUF values float32 scale = d and
+        zero = m + 8 d."""
+        if hasattr(layer, "qweight_tiles"):
+            q, a, b = gemv.unpack_int4_grouped(layer.qweight_tiles, layer.scales_zeros_tiles)
+            if a.dtype == torch.float16:  # GGUF's (d, m)
+                return q, a.float(), b.float() + 8 * a.float()
+            return q, a, b
+        block_n = _packed_block_n()
+        if block_n is None:
+            raise NotImplementedError("unknown int4 packed layout on this CPU")
+        n, k = layer.qweight.shape[0], layer.qweight.shape[1] * 2
+        q = _unpack_blocks(layer.qweight, block_n).permute(0, 2, 1).reshape(n, k)
+        sz = layer.scales_zeros
+        return q, sz[..., 0].contiguous(), sz[..., 1].contiguous()
+
+    def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (out, in) weight the layer represents: (q - 8) * scale + zero, or for GGUF
+        values q * d + m (as gguf computes it), in float32, then `dtype`."""
+        sz = getattr(layer, "scales_zeros_tiles", None)
+        if sz is not None and sz.dtype == torch.float16:
+            q, d, m = gemv.unpack_int4_grouped(layer.qweight_tiles, sz)
+            g = layer.group_size
+            w = q.float() * d.float().t().repeat_interleave(g, 1) + m.float().t().repeat_interleave(g, 1)
+            return w.to(dtype)
+        return dequantize_int4(*self.int_weight(layer), layer.group_size).to(dtype)
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        tiles = getattr(layer, "qweight_tiles", None)
+        if tiles is not None:
+            return self._apply_tiles(layer, x, tiles)
         n = layer.qweight.shape[0]
         x2 = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE).contiguous()
         block_n = _packed_block_n() if x2.shape[0] > self.kernel_max_rows else None
@@ -197,6 +263,20 @@ class Int4LinearMethod(LinearMethod):
             )
         y = add_bias(y.to(x.dtype), layer)
         return y.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def _apply_tiles(layer: nn.Module, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+        rows, bias, sz = gemv.rows_of(x), getattr(layer, "bias", None), layer.scales_zeros_tiles
+        kernel = x.dtype in gemv.X_DTYPES
+        if kernel and rows <= gemv.MAX_ROWS:  # a decode step: one op, x as it is
+            return gemv.int4_grouped(x, tiles, sz, bias)
+        if kernel and rows <= gemv.GROUPED_MAX_ROWS:
+            return gemv.in_chunks(gemv.int4_grouped, x, tiles, sz, bias)
+        dtype = COMPUTE_DTYPE if cpu_has_native_bf16() else torch.float32
+        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+        parts = [F.linear(x2, w) for w in _tile_blocks(tiles, sz, dtype)]
+        y = add_bias((parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x.dtype), layer)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def _dequantized_matmul(
@@ -220,3 +300,21 @@ def _row_chunks(n: int, k: int, multiple: int, max_elems: int = 1 << 21) -> list
     small enough to be recycled by the allocator instead of page-faulted on every call)."""
     step = max(multiple, max_elems // k // multiple * multiple)
     return [slice(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def _tile_blocks(tiles: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """The weight (q - 8) * scale + zero from channel tiles, (16 T, in) in `dtype` per block of
+    T tiles (~4 MiB of float32): one addcmul per block, scale * q + level 0 per group."""
+    num_tiles, in_features = tiles.shape[:2]
+    groups = sz.shape[1]
+    step = max(1, (1 << 20) // (in_features * gemv.TILE))
+    for t in range(0, num_tiles, step):
+        packed = tiles[t : t + step]
+        q = torch.cat((packed & 15, packed >> 4), dim=-1).transpose(1, 2)  # (T, 16, in) view
+        q = q.to(torch.float32, memory_format=torch.contiguous_format)
+        s = sz[t : t + step].float().permute(0, 3, 1, 2).contiguous()  # (T, 16, G, 2)
+        # Level 0 (the weight of q = 0): zero - 8 scale, or GGUF's m (float16 parameters).
+        level0 = s[..., 1] if sz.dtype == torch.float16 else s[..., 1] - 8 * s[..., 0]
+        scale, level0 = s[..., 0, None], level0[..., None]
+        w = torch.addcmul(level0, q.view(q.shape[0], gemv.TILE, groups, -1), scale)
+        yield w.reshape(-1, in_features).to(dtype)

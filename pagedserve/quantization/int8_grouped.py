@@ -11,17 +11,27 @@ agrees 1.00 with its f32 on the same weights. This is the same format, so a GGUF
 blocks load as they are (`gguf_blocks.from_gguf_q8_0`). q is fitted against the float16-rounded scale,
 so storing the scale in float16 adds no error. Cost: 8.5 bits per weight.
 
-Arithmetic of `apply`: y = x @ (q * scale)^T in the activation dtype (float32 for a float32
-model: the weights are the only thing rounded), one block of output rows at a time (the
-block's dequantized copy, ~4 MiB, stays in cache and is recycled by the allocator).
+Paths of `apply` (the same values: x times the exact q * scale, summed in float32; only the
+summation order differs, and for a bf16 model the torch path rounds q * scale to bf16):
+  * at most 8 rows (a decode step), where the decode GEMV kernel runs (quantization/gemv.py,
+    `gemv_int8_grouped`): the weight streams once at 1 byte + 1/16 per weight, the products
+    and sums in float32, the result rounded once to x's dtype; up to 32 rows, 8 at a time.
+    The layer then keeps its weights only as the kernel's channel tiles (no second copy);
+  * more rows, or no kernel (PAGEDSERVE_GEMV=off, out % 16 != 0): y = x @ (q * scale)^T in
+    the activation dtype (float32 for a float32 model: the weights are the only thing
+    rounded), one block of output rows at a time (the block's dequantized copy, ~4 MiB,
+    stays in cache and is recycled by the allocator).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.quantization import gemv
 from pagedserve.quantization.base import LinearMethod, add_bias
 
 SCALE_DTYPE = torch.float16
@@ -51,17 +61,21 @@ def dequantize_int8_grouped(q: torch.Tensor, scale: torch.Tensor, dtype: torch.d
 class Int8GroupedLinearMethod(LinearMethod):
     """Group-wise int8 weights, quantized at load time; see the module docstring.
 
-    Layer tensors after `process_weights_after_loading`:
-        qweight       (out, in) int8
-        weight_scale  (out, in / group) float16
+    Layer tensors after `process_weights_after_loading` (or `set_quantized`):
+        qweight_tiles  (out/16, in, 16) int8          where the GEMV kernel takes the layer
+        scale_tiles    (out/16, in / group, 16) float16
+    or else
+        qweight        (out, in) int8
+        weight_scale   (out, in / group) float16
     """
 
     name = "int8-grouped"
 
-    def __init__(self, group_size: int = 32) -> None:
+    def __init__(self, group_size: int = 32, gemv: bool = True) -> None:
         if group_size not in GROUP_SIZES:
             raise ValueError(f"int8 group size must be one of {GROUP_SIZES}, got {group_size}")
         self.group_size = group_size
+        self.gemv = gemv  # False: the torch path at every batch size (benchmarks compare)
 
     def supports(self, layer: nn.Module) -> bool:
         return layer.input_size % self.group_size == 0
@@ -71,25 +85,65 @@ class Int8GroupedLinearMethod(LinearMethod):
         del layer.weight
         self.set_quantized(layer, q, scale)
 
-    @staticmethod
-    def set_quantized(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
-        """Installs already-quantized weights (from `quantize_int8_grouped` or a GGUF file)."""
+    def set_quantized(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Installs already-quantized weights (from `quantize_int8_grouped` or a GGUF file):
+        as the GEMV kernel's channel tiles where it takes them, else as they are."""
+        scale = scale.to(SCALE_DTYPE)
+        if self.gemv and gemv.takes_grouped(q):
+            tiles, scales = gemv.pack_int8_grouped(q, scale)
+            layer.register_buffer("qweight_tiles", tiles)
+            layer.register_buffer("scale_tiles", scales)
+            return
         layer.register_buffer("qweight", q.contiguous())
-        layer.register_buffer("weight_scale", scale.to(SCALE_DTYPE).contiguous())
+        layer.register_buffer("weight_scale", scale.contiguous())
 
     def weight_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
+        if hasattr(layer, "qweight_tiles"):
+            return [layer.qweight_tiles, layer.scale_tiles]
         return [layer.qweight, layer.weight_scale]
 
+    def int_weight(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q (out, in) int8, scale (out, in / group) float16), whichever layout the layer
+        keeps (copies if tiled)."""
+        if hasattr(layer, "qweight_tiles"):
+            return gemv.unpack_int8_grouped(layer.qweight_tiles, layer.scale_tiles)
+        return layer.qweight, layer.weight_scale
+
     def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_int8_grouped(layer.qweight, layer.weight_scale, dtype)
+        return dequantize_int8_grouped(*self.int_weight(layer), dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        tiles = getattr(layer, "qweight_tiles", None)
+        if tiles is not None and x.dtype in gemv.X_DTYPES:
+            rows, bias = gemv.rows_of(x), getattr(layer, "bias", None)
+            if rows <= gemv.MAX_ROWS:  # a decode step: one op, x as it is
+                return gemv.int8_grouped(x, tiles, layer.scale_tiles, bias)
+            if rows <= gemv.GROUPED_MAX_ROWS:
+                return gemv.in_chunks(gemv.int8_grouped, x, tiles, layer.scale_tiles, bias)
         x2 = x.reshape(-1, x.shape[-1])
-        q, scale = layer.qweight, layer.weight_scale
-        step = max(1, _BLOCK_ELEMS // q.shape[1])
-        parts = [
-            F.linear(x2, dequantize_int8_grouped(q[r : r + step], scale[r : r + step], x.dtype))
-            for r in range(0, q.shape[0], step)
-        ]
+        blocks = _tile_blocks(layer, x.dtype) if tiles is not None else _row_blocks(layer, x.dtype)
+        parts = [F.linear(x2, w) for w in blocks]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return add_bias(y, layer).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _row_blocks(layer: nn.Module, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """The dequantized weight of an untiled layer, ~_BLOCK_ELEMS at a time: (rows, in)."""
+    q, scale = layer.qweight, layer.weight_scale
+    step = max(1, _BLOCK_ELEMS // q.shape[1])
+    for r in range(0, q.shape[0], step):
+        yield dequantize_int8_grouped(q[r : r + step], scale[r : r + step], dtype)
+
+
+def _tile_blocks(layer: nn.Module, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """The same from channel tiles: (16 T, in) per block of T tiles; the conversion to float
+    writes (T, 16, in) order, so the multiply by the scales is the only other pass."""
+    tiles, scales = layer.qweight_tiles, layer.scale_tiles
+    num_tiles, in_features, tile = tiles.shape
+    groups = scales.shape[1]
+    step = max(1, _BLOCK_ELEMS // (in_features * tile))
+    for t in range(0, num_tiles, step):
+        q = tiles[t : t + step].transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        s = scales[t : t + step].transpose(1, 2).float()  # (T, 16, G)
+        w = q.view(q.shape[0], tile, groups, in_features // groups) * s[..., None]
+        yield w.view(-1, in_features).to(dtype)

@@ -24,11 +24,12 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
 from pagedserve.config import CacheConfig, ModelConfig
+from pagedserve.dtypes import cpu_has_native_bf16
 from pagedserve.engine_args import EngineArgs
 from pagedserve.entrypoints.cli import build_parser
 from pagedserve.models.layers.linear import LinearBase
 from pagedserve.models.loader import load_model, weight_bytes
-from pagedserve.quantization import QuantizationConfig
+from pagedserve.quantization import QuantizationConfig, gemv
 from pagedserve.quantization.gemv import gemv_ops
 from pagedserve.quantization.int4 import (
     Int4LinearMethod,
@@ -162,7 +163,9 @@ def test_int8_layer_equals_reference_arithmetic(rows: int, kernel: str) -> None:
     assert (got == want).float().mean() > 0.99
 
 
-@pytest.mark.parametrize("rows", [1, 64, 65, 200])  # kernel path (<= 64 rows) and bf16-GEMM path
+# torch's kernel (<= 64 rows) and bf16 GEMM; or the GEMV kernel (<= 32 rows, 8 at a time) and
+# the GEMM on dequantized tiles
+@pytest.mark.parametrize("rows", [1, 9, 32, 33, 64, 65, 200])
 def test_int4_layer_equals_reference_arithmetic(rows: int) -> None:
     w, bias = _weights(192, 256), torch.randn(192)
     layer = _Linear(w, bias)
@@ -172,6 +175,13 @@ def test_int4_layer_equals_reference_arithmetic(rows: int) -> None:
     dq = dequantize_int4(q, scale, zero, 64)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
     got = method.apply(layer, x)
+    if hasattr(layer, "qweight_tiles"):  # the GEMV kernel's layout: float32 x, see int4.py
+        want64 = F.linear(x.double(), dq.double(), bias.double())
+        bf16_gemm = rows > gemv.GROUPED_MAX_ROWS and cpu_has_native_bf16()
+        magnitude = F.linear(x.abs().double(), dq.abs().double())
+        bound = magnitude * (2**-7 if bf16_gemm else 1e-5) + want64.abs() * (2**-8 if bf16_gemm else 0)
+        assert ((got.double() - want64).abs() <= bound + 1e-5).all()
+        return
     want = reference_int4(x, dq, bias)
     # The kernel path sums exactly these products. The bf16-GEMM path (> 64 rows) builds
     # the weight as q * scale + level0 in bf16, level0 = zero - 8 * scale: both level0 and

@@ -27,7 +27,6 @@ from pagedserve.quantization.gguf_blocks import from_gguf_q4_0, from_gguf_q4_1, 
 from pagedserve.quantization.int4 import (
     Int4LinearMethod,
     _packed_block_n,
-    _unpack_blocks,
     dequantize_int4,
 )
 from pagedserve.quantization.int8_grouped import (
@@ -87,7 +86,8 @@ def test_layer_equals_dense_reference(rows: int, dtype: torch.dtype) -> None:
     method.process_weights_after_loading(layer)
     assert not hasattr(layer, "weight")
     q, scale = quantize_int8_grouped(w.to(dtype), 32)
-    assert torch.equal(layer.qweight, q) and torch.equal(layer.weight_scale, scale)
+    stored_q, stored_scale = method.int_weight(layer)
+    assert torch.equal(stored_q, q) and torch.equal(stored_scale, scale)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = method.apply(layer, x)
     assert got.dtype == dtype and got.shape == (rows, 192)
@@ -125,12 +125,12 @@ def test_gguf_q4_blocks_load_into_int4_without_requantizing(kind: str) -> None:
     assert torch.equal(dequantize_int4(q, scale, zero, 32), want)  # same values, float32 scales
     layer = _Linear(torch.zeros(64, 128))
     del layer.weight
-    Int4LinearMethod.set_quantized(layer, q, scale, zero, 32)
+    Int4LinearMethod(32).set_quantized(layer, q, scale, zero, 32)
     # The stored q is gguf's, bit for bit; only scale / zero are rounded to bfloat16.
-    block_n = _packed_block_n()
-    if block_n is not None:
-        stored = _unpack_blocks(layer.qweight, block_n).permute(0, 2, 1).reshape(64, 128)
+    if hasattr(layer, "qweight_tiles") or _packed_block_n() is not None:
+        stored, stored_scale, stored_zero = Int4LinearMethod(32).int_weight(layer)
         assert torch.equal(stored, q)
+        assert torch.equal(stored_scale, scale.bfloat16()) and torch.equal(stored_zero, zero.bfloat16())
     x = torch.randn(3, 128)
     got = Int4LinearMethod(32).apply(layer, x)
     want_y = F.linear(x, want)
@@ -142,7 +142,7 @@ def test_int8_defaults_to_groups_of_32_and_per_channel_stays_available(model_pat
     model, _ = load_model(path, torch.float32, torch.device("cpu"), QuantizationConfig("int8"))
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert {m.quant_method.name for m in layers} == {"int8-grouped"}
-    assert all(m.weight_scale.shape[1] == m.input_size // 32 for m in layers)
+    assert all(m.quant_method.int_weight(m)[1].shape[1] == m.input_size // 32 for m in layers)
     channel, _ = load_model(path, torch.float32, torch.device("cpu"), QuantizationConfig("int8", -1))
     assert {m.quant_method.name for m in channel.modules() if isinstance(m, LinearBase)} == {"int8"}
     with pytest.raises(ValueError, match="group_size"):

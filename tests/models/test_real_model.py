@@ -62,6 +62,19 @@ def test_chat_answers_and_ends_on_im_end(llm):
     assert out.token_ids[-1] == llm.get_tokenizer().convert_tokens_to_ids(IM_END)
 
 
+def test_gguf_quantization_serves_the_files_q4_1_blocks_and_answers():
+    """quantization="gguf": the file's Q4_1 linear weights served as they are (int4 layers,
+    no dequantized copy), and the chat answer is still right."""
+    from pagedserve.models.layers.linear import LinearBase
+
+    served = LLM(str(SMOLLM2), quantization="gguf", **ENGINE_ARGS)
+    model = served.llm_engine.runner.model
+    methods = {m.quant_method.name for m in model.modules() if isinstance(m, LinearBase)}
+    assert methods == {"gguf-q4"}
+    out = served.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
+
+
 def test_stop_string_on_real_text(llm):
     out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32, stop=["France"]),
                    use_tqdm=False)[0].outputs[0]
