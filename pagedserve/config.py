@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedserve.compilation.config import CompilationConfig
 from pagedserve.quantization import QuantizationConfig
 from pagedserve.spec_decode.config import SpeculativeConfig
 
@@ -205,8 +206,18 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)  # level 0: eager
 
     def __post_init__(self) -> None:
+        if self.compilation.enabled and self.lora is not None:
+            # LoRA wrappers read their step's segments from a context the graph cannot see.
+            raise ValueError("compilation_config: level 3 (compiled decode) does not support enable_lora; "
+                             "use level 0 or enforce_eager=True with LoRA")
+        if self.compilation.enabled and self.parallel.tensor_parallel_size > 1:
+            # Rank 0 pads its batch to a compiled size; the other ranks run the unpadded step,
+            # and their all-reduces would disagree on the shape.
+            raise ValueError("compilation_config: level 3 (compiled decode) does not support "
+                             "tensor_parallel_size > 1; use level 0 or enforce_eager=True")
         if self.speculative is not None and (
             self.cache.kv_allocation != "paged" or self.scheduler.batching != "continuous"
         ):

@@ -114,7 +114,13 @@ def machine_signature() -> str:
     return f"{flags}|torch {torch.__version__}"
 
 
-@functools.cache
+# (kernel name, extra cflags, namespace) -> the outcome, once per process. A plain dict
+# rather than functools.cache: torch.compile traces through layers that ask for their ops
+# on every call, and dynamo ignores cache wrappers (it would trace the build); a dict hit
+# it can follow.
+_LOADED: dict[tuple[str, tuple[str, ...], str | None], Loaded] = {}
+
+
 def load(kernel: Kernel, extra_cflags: tuple[str, ...] = (), namespace: str | None = None) -> Loaded:
     """Build (first use on this machine, 10-30 s) or load `kernel`; never raises.
 
@@ -124,6 +130,14 @@ def load(kernel: Kernel, extra_cflags: tuple[str, ...] = (), namespace: str | No
             (tests and A/B benchmarks).
         namespace: the op namespace; default `kernel.namespace`.
     """
+    key = (kernel.name, extra_cflags, namespace)
+    loaded = _LOADED.get(key)
+    if loaded is None:
+        loaded = _LOADED[key] = _load(kernel, extra_cflags, namespace)
+    return loaded
+
+
+def _load(kernel: Kernel, extra_cflags: tuple[str, ...], namespace: str | None) -> Loaded:
     namespace = namespace or kernel.namespace
     start = time.perf_counter()
     try:

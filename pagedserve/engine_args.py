@@ -78,6 +78,16 @@ def parse_model_len(text: str) -> int | None:
     return tokens
 
 
+def _parse_compilation_config(text: str) -> Any:
+    """--compilation-config / -O: a level or JSON, checked while parsing."""
+    from pagedserve.compilation.config import CompilationConfig
+
+    try:
+        return CompilationConfig.from_value(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _parse_speculative_config(text: str) -> Any:
     """--speculative-config: checked while parsing, so a bad key is a usage error naming it."""
     from pagedserve.spec_decode.config import SpeculativeConfig
@@ -244,14 +254,23 @@ class EngineArgs:
         "the structured outputs backend alone (vLLM's older flag)", group="structured outputs",
         choices=("auto", "llguidance", "xgrammar"), vllm="same (vLLM <= 0.10)"))
 
+    compilation_config: Any = field(default=None, metadata=_setting(
+        "torch.compile over the decode forward, vLLM's form: a level (0 eager, the default; 3 "
+        "compiled) or JSON '{\"level\": 3, \"compile_sizes\": [1, 2, 4, 8]}': decode steps of up "
+        "to max(compile_sizes) tokens run one static graph per size (batch padded up), compiled "
+        "at start-up (tens of seconds per size on 2 cores); prefill stays eager",
+        group="compilation", aliases=("-O",), parse=_parse_compilation_config, metavar="LEVEL|JSON",
+        vllm="same flag and -O; keys `level` (0 or 3) and `compile_sizes` (vLLM: cudagraph_capture_sizes); "
+             "the default here is 0 (eager)"))
+    enforce_eager: bool = field(default=False, metadata=_setting(
+        "always run eagerly: no compiled decode, whatever compilation_config says",
+        group="compilation", vllm="same (this engine has no CUDA graphs; it turns compilation off)"))
+
     # vLLM settings with no effect in this engine: accepted so vLLM command lines and scripts
     # run unchanged (see docs/vllm_compatibility.md).
     trust_remote_code: bool = field(default=False, metadata=_setting(
         "allow a checkpoint's own Python code", group="vLLM compatibility",
         ignored="only the built-in architectures load; no checkpoint code is ever run"))
-    enforce_eager: bool = field(default=False, metadata=_setting(
-        "never capture CUDA graphs", group="vLLM compatibility",
-        ignored="this engine captures no CUDA graphs; it always runs eagerly"))
     load_format: str = field(default="auto", metadata=_setting(
         "weight file format", group="vLLM compatibility",
         ignored="the format is read from the files (safetensors, .bin, GGUF)"))
@@ -305,6 +324,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """The frozen config; each component validates its own fields (ValueError names one)."""
+        from pagedserve.compilation.config import CompilationConfig
         from pagedserve.config import (
             CacheConfig,
             EngineConfig,
@@ -366,6 +386,7 @@ class EngineArgs:
             speculative=SpeculativeConfig.from_value(self.speculative_config),
             structured_outputs=self._structured_outputs_config(),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            compilation=CompilationConfig.from_value(self.compilation_config).with_enforce_eager(self.enforce_eager),
         )
 
     def _structured_outputs_config(self) -> Any:

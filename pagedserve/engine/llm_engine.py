@@ -107,6 +107,7 @@ class LLMEngine:
                 faults=faults,
                 tp_group=self.tp_workers.group if self.tp_workers is not None else None,
                 tp_workers=self.tp_workers,
+                compilation=config.compilation,
             )
             if self.tp_workers is not None:
                 self.tp_workers.wait_ready()

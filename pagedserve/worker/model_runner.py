@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedserve import envs
-from pagedserve.attention.backend import AttentionBackend, get_attention_backend
+from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
 from pagedserve.attention.metadata import CommonAttentionMetadata
+from pagedserve.compilation.config import CompilationConfig
+from pagedserve.compilation.decode import CompiledDecode, build_compiled_decode
 from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.distributed.parallel_state import SINGLE
 from pagedserve.lora.kernels import block_elems
@@ -144,6 +146,7 @@ class ModelRunner:
         faults: FaultInjector | None = None,
         tp_group: TPGroup | None = None,
         tp_workers: TPWorkers | None = None,
+        compilation: CompilationConfig | None = None,
     ) -> None:
         """`tp_group`: this rank's tensor-parallel group (None: one rank); `tp_workers`: on
         rank 0, the other ranks' processes, sent every step."""
@@ -171,6 +174,19 @@ class ModelRunner:
         self.lora_dtype = lora_dtype
         self.lora_layers = wrap_model_for_lora(self.model) if lora_dtype is not None else []
         self._forward_hook: ForwardHook | None = None
+        # Decode steps through torch.compile (compilation_config level 3), compiled now.
+        self.compiled: CompiledDecode | None = None
+        if compilation is not None and compilation.enabled:
+            self.compiled = build_compiled_decode(self.model, compilation.compile_sizes, device)
+
+    def _run_model(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The step's forward: the compiled decode graph when it takes the step, else eager."""
+        if self.compiled is not None and self.compiled.takes(common.num_tokens, common.max_query_len):
+            return self.compiled(input_ids, positions, attn_metadata, self.kv_caches)
+        return self.model(input_ids, positions, attn_metadata)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         first = self.attn_layers[0]
@@ -282,7 +298,7 @@ class ModelRunner:
             lora_segments = self.lora_segments(sched)
             prepared = time.perf_counter()
             with lora_step(lora_segments):
-                hidden = self.model(input_ids, positions, attn_metadata)
+                hidden = self._run_model(input_ids, positions, common, attn_metadata)
         else:
             prepared = time.perf_counter()
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.compilation import attention_op  # noqa: F401  (registers the opaque op)
 
 
 class Attention(nn.Module):
@@ -36,9 +37,18 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | None
     ) -> torch.Tensor:
-        """q (T, H, D), k/v (T, KVH, D), RoPE applied -> (T, H * D)."""
+        """q (T, H, D), k/v (T, KVH, D), RoPE applied -> (T, H * D).
+
+        `meta` is None inside a compiled decode graph (pagedserve/compilation/decode.py): the
+        step's metadata then reaches the backend through the opaque op's step context, so the
+        graph never depends on it."""
+        if torch.compiler.is_compiling():
+            out = torch.ops.pagedserve_compile.attention(q, k, v, self.layer_idx, self.scale)
+            return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+        if meta is None:
+            raise RuntimeError(f"layer {self.layer_idx}: no attention metadata outside a compiled graph")
         if self.kv_cache is None:
             raise RuntimeError(
                 f"layer {self.layer_idx}: kv_cache was never assigned by the model runner"
