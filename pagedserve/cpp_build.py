@@ -21,7 +21,6 @@ variable forces the kernel, an error at model construction. The result is cached
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os

@@ -26,6 +26,11 @@ import torch
 from pagedserve.attention.backend import AttentionMetadata
 
 
+class MissedGraph(RuntimeError):
+    """An `Attention` layer ran eagerly without metadata: the compiled decode's frame missed
+    its graphs' guards and dynamo's run-only mode ran it as plain Python."""
+
+
 @dataclass(slots=True)
 class StepContext:
     meta: AttentionMetadata | None  # None: a warm-up call, no real tokens

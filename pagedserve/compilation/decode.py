@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 import warnings
 from collections.abc import Callable
 
@@ -27,10 +28,15 @@ import torch
 from torch import nn
 
 from pagedserve.attention.backend import AttentionMetadata
-from pagedserve.compilation.attention_op import step_context
+from pagedserve.compilation.attention_op import MissedGraph, step_context
 from pagedserve.compilation.fake_ops import register_fakes
 
 logger = logging.getLogger(__name__)
+
+
+def _decode(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    # meta=None: inside the graph every Attention layer calls the opaque op instead.
+    return model(input_ids, positions, None)
 
 
 class CompiledDecode:
@@ -46,14 +52,17 @@ class CompiledDecode:
         self.model = model
         self.sizes = tuple(sorted(sizes))
         register_fakes()
-        self._compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.compile(
-            self._forward, backend="inductor", dynamic=False, fullgraph=True, options=options or {}
+        # Dynamo keeps its graphs on the code object: each instance gets its own copy of
+        # `_decode`'s, so engines in one process never share (or exhaust) a recompile limit.
+        fn = types.FunctionType(_decode.__code__.replace(), _decode.__globals__, "decode")
+        self._compiled: Callable[..., torch.Tensor] = torch.compile(
+            fn, backend="inductor", dynamic=False, fullgraph=True, options=options or {}
         )
+        self._run = torch._dynamo.run(self._compiled)  # cached graphs only, never compiles
         self.compile_seconds: dict[int, float] = {}
-
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # meta=None: inside the graph every Attention layer calls the opaque op instead.
-        return self.model(input_ids, positions, None)
+        # Steps run through each size's graph (read by tests and benchmarks).
+        self.calls: dict[int, int] = dict.fromkeys(self.sizes, 0)
+        self.guard_misses = 0
 
     @torch.inference_mode()
     def warm_up(self, device: torch.device) -> float:
@@ -61,12 +70,13 @@ class CompiledDecode:
         total = 0.0
         for size in self.sizes:
             start = time.perf_counter()
-            zeros = torch.zeros(size, dtype=torch.int64, device=device)
+            # Two tensors: dynamo guards on aliasing, and a step's ids and positions never alias.
+            ids, positions = (torch.zeros(size, dtype=torch.int64, device=device) for _ in range(2))
             with step_context(None, []), warnings.catch_warnings():
                 # quantization/gemv.py's op lookup is lru_cached; dynamo warns that it traces
                 # through the cache, which is harmless here (the lookup returns the same ops).
                 warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
-                self._compiled(zeros, zeros)
+                self._compiled(self.model, ids, positions)
             self.compile_seconds[size] = time.perf_counter() - start
             total += self.compile_seconds[size]
         logger.info("compiled decode ready: sizes %s in %.1f s", list(self.sizes), total)
@@ -79,16 +89,31 @@ class CompiledDecode:
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """(T,) ids and positions -> hidden (T, hidden_size), through the graph of the
-        smallest size >= T."""
+        smallest size >= T; None if no graph's guards hold (the caller runs eagerly).
+
+        A running engine never compiles: after warm-up the graphs run in dynamo's run-only
+        mode, so a guard miss (which would otherwise be a multi-second recompile in the middle
+        of serving) runs the frame eagerly, where the first attention layer, finding no
+        metadata, raises `MissedGraph` before writing anything; it is counted in
+        `guard_misses`, logged once, and the runner runs that step eagerly."""
         n = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= n)
         if size != n:
             pad = input_ids.new_zeros(size - n)
             input_ids, positions = torch.cat((input_ids, pad)), torch.cat((positions, pad))
-        with step_context(meta, kv_caches):
-            hidden = self._compiled(input_ids, positions)
+        try:
+            with step_context(meta, kv_caches):
+                hidden = self._run(self.model, input_ids, positions)
+        except MissedGraph as exc:
+            # Raised by the first attention layer, before any KV write.
+            self.guard_misses += 1
+            if self.guard_misses == 1:
+                logger.warning("compiled decode: a step missed every graph's guards and ran eagerly "
+                               "(further misses are only counted): %s", exc)
+            return None
+        self.calls[size] += 1
         return hidden[:n]
 
 

@@ -185,7 +185,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The step's forward: the compiled decode graph when it takes the step, else eager."""
         if self.compiled is not None and self.compiled.takes(common.num_tokens, common.max_query_len):
-            return self.compiled(input_ids, positions, attn_metadata, self.kv_caches)
+            hidden = self.compiled(input_ids, positions, attn_metadata, self.kv_caches)
+            if hidden is not None:
+                return hidden
         return self.model(input_ids, positions, attn_metadata)
 
     def kv_cache_spec(self) -> KVCacheSpec:

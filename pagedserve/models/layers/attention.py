@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from pagedserve.attention.backend import AttentionMetadata
-from pagedserve.compilation import attention_op  # noqa: F401  (registers the opaque op)
+
+# Importing attention_op also registers the opaque op a compiled graph calls.
+from pagedserve.compilation.attention_op import MissedGraph
 
 
 class Attention(nn.Module):
@@ -48,7 +50,7 @@ class Attention(nn.Module):
             out = torch.ops.pagedserve_compile.attention(q, k, v, self.layer_idx, self.scale)
             return out.reshape(out.shape[0], self.num_heads * self.head_dim)
         if meta is None:
-            raise RuntimeError(f"layer {self.layer_idx}: no attention metadata outside a compiled graph")
+            raise MissedGraph(f"layer {self.layer_idx}: no attention metadata outside a compiled graph")
         if self.kv_cache is None:
             raise RuntimeError(
                 f"layer {self.layer_idx}: kv_cache was never assigned by the model runner"
