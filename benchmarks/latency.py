@@ -253,7 +253,10 @@ def build(path: str, precision: str, args: argparse.Namespace, **extra: object) 
 def variants(args: argparse.Namespace) -> list[tuple[str, str | None, dict]]:
     """(label, PAGEDSERVE_GEMV value, extra LLM kwargs) of the engines compared."""
     if args.compile:
-        compiled = {"compilation_config": {"level": 3, "compile_sizes": sorted(set(args.batches) | {1})}}
+        config: dict = {"level": 3, "compile_sizes": sorted(set(args.batches) | {1})}
+        if args.cpp_wrapper:
+            config["inductor_compile_config"] = {"cpp_wrapper": True}
+        compiled = {"compilation_config": config}
         return [("eager", None, {}), ("compiled", None, compiled)]
     if args.compare:
         return [("gemv off", "off", {}), ("gemv on", None, {})]
@@ -330,6 +333,8 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true", help="GEMV kernel off vs on, paired")
     parser.add_argument("--compile", action="store_true",
                         help="eager vs compiled decode (compilation_config level 3), paired")
+    parser.add_argument("--cpp-wrapper", action="store_true",
+                        help="with --compile: inductor's C++ wrapper (slower to compile)")
     parser.add_argument("--quick", action="store_true", help="125m fp32+int8, short runs")
     args = parser.parse_args()
     if args.quick:  # 125m fp32 + int8 unless models / precisions are given

@@ -260,8 +260,8 @@ class EngineArgs:
         "to max(compile_sizes) tokens run one static graph per size (batch padded up), compiled "
         "at start-up (tens of seconds per size on 2 cores); prefill stays eager",
         group="compilation", aliases=("-O",), parse=_parse_compilation_config, metavar="LEVEL|JSON",
-        vllm="same flag and -O; keys `level` (0 or 3) and `compile_sizes` (vLLM: cudagraph_capture_sizes); "
-             "the default here is 0 (eager)"))
+        vllm="same flag and -O; keys `level` (0 or 3), `compile_sizes` (the padded batch sizes, vLLM's "
+             "cudagraph_capture_sizes) and `inductor_compile_config`; the default here is 0 (eager)"))
     enforce_eager: bool = field(default=False, metadata=_setting(
         "always run eagerly: no compiled decode, whatever compilation_config says",
         group="compilation", vllm="same (this engine has no CUDA graphs; it turns compilation off)"))

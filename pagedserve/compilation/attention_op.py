@@ -51,23 +51,31 @@ def step_context(meta: AttentionMetadata | None, kv_caches: list[torch.Tensor]) 
         _CURRENT = previous
 
 
-@torch.library.custom_op("pagedserve_compile::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
     """q (T_pad, H, D), k / v (T_pad, KVH, D) -> (T_pad, H, D); writes the step's K/V into the
     layer's cache (hidden from the graph: the cache is not an input of it)."""
     ctx = _CURRENT
     if ctx is None:
         raise RuntimeError("pagedserve_compile::attention called outside a step_context")
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     meta = ctx.meta
     n = 0 if meta is None else meta.num_tokens
+    if n == q.shape[0]:  # no padding: the common case, no copy
+        assert meta is not None
+        return meta.backend.forward(q, k, v, ctx.kv_caches[layer_idx], meta, scale).contiguous()
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     if n:
         assert meta is not None
-        kv_cache = ctx.kv_caches[layer_idx]
-        out[:n] = meta.backend.forward(q[:n], k[:n], v[:n], kv_cache, meta, scale)
+        out[:n] = meta.backend.forward(q[:n], k[:n], v[:n], ctx.kv_caches[layer_idx], meta, scale)
     return out
 
 
-@attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+# A plain op library rather than torch.library.custom_op: it dispatches in ~8 us instead of
+# ~16 (custom_op adds autograd wrappers and an aliasing check per call), paid 30 times a step.
+_LIB = torch.library.Library("pagedserve_compile", "DEF")
+_LIB.define("attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scale) -> Tensor")
+_LIB.impl("attention", attention, "CompositeExplicitAutograd")
+torch.library.register_fake("pagedserve_compile::attention", _fake, lib=_LIB)

@@ -1,7 +1,8 @@
 """`CompilationConfig`: vLLM's `compilation_config`, the subset this engine honours. No torch.
 
     LLM(model, compilation_config={"level": 3, "compile_sizes": [1, 2, 4, 8]})
-    pagedserve serve MODEL --compilation-config '{"level": 3}'     (or -O3, or just 3)
+    pagedserve serve MODEL --compilation-config '{"level": 3}'     (or -O3, or -O 3)
+    inductor options: {"level": 3, "inductor_compile_config": {"cpp_wrapper": true}}
 
 level 0 (the default here): eager. level 3: the decode forward (every step whose requests
 each run one token, at most max(compile_sizes) tokens) runs through torch.compile with the
@@ -14,7 +15,7 @@ vLLM's levels 1 and 2 (dynamo without inductor) are refused rather than treated 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 NO_COMPILATION = 0
@@ -27,6 +28,10 @@ class CompilationConfig:
     level: int = NO_COMPILATION
     # Batch sizes (tokens) with a compiled graph; a decode step pads up to the next one.
     compile_sizes: tuple[int, ...] = DEFAULT_SIZES
+    # Inductor options (torch.compile's `options`), vLLM's key: e.g. {"cpp_wrapper": true}
+    # (a C++ wrapper instead of Python around the kernels; ~5x the compile time). A dict is
+    # not hashable, so it is kept as sorted (name, value) pairs.
+    inductor_compile_config: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.level not in (NO_COMPILATION, PIECEWISE):
@@ -38,6 +43,11 @@ class CompilationConfig:
             raise ValueError(f"compilation_config.compile_sizes must be positive integers, got {list(sizes)!r}")
         if len(set(sizes)) != len(sizes):
             raise ValueError(f"compilation_config.compile_sizes has duplicates: {list(sizes)!r}")
+        for name, _ in self.inductor_compile_config:
+            # Checked here, not at compile time: no torch import in configs; inductor's own
+            # config names every option it has.
+            if not isinstance(name, str):
+                raise ValueError(f"compilation_config.inductor_compile_config: keys must be strings, got {name!r}")
 
     @property
     def enabled(self) -> bool:
@@ -70,6 +80,11 @@ class CompilationConfig:
                 f"compilation_config: unsupported key(s) {unknown} (supported: {sorted(known)})"
             )
         kwargs = dict(value)
+        options = kwargs.get("inductor_compile_config")
+        if options is not None:
+            if not isinstance(options, dict):
+                raise ValueError(f"compilation_config.inductor_compile_config must be a dict, got {options!r}")
+            kwargs["inductor_compile_config"] = tuple(sorted(options.items()))
         if "compile_sizes" in kwargs:
             sizes = kwargs["compile_sizes"]
             if not isinstance(sizes, list | tuple):
@@ -78,4 +93,4 @@ class CompilationConfig:
         return cls(**kwargs)
 
     def with_enforce_eager(self, enforce_eager: bool) -> CompilationConfig:
-        return CompilationConfig(NO_COMPILATION, self.compile_sizes) if enforce_eager else self
+        return replace(self, level=NO_COMPILATION) if enforce_eager else self

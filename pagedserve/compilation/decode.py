@@ -117,12 +117,14 @@ class CompiledDecode:
         return hidden[:n]
 
 
-def build_compiled_decode(model: nn.Module, sizes: tuple[int, ...], device: torch.device) -> CompiledDecode | None:
+def build_compiled_decode(
+    model: nn.Module, sizes: tuple[int, ...], device: torch.device, options: dict | None = None
+) -> CompiledDecode | None:
     """The compiled decode, warmed up (every size compiled), or None with a warning when it
     cannot be built here (no C++ compiler, an op dynamo cannot trace): the engine then runs
     eagerly, as it does without a C++ kernel."""
     try:
-        compiled = CompiledDecode(model, sizes)
+        compiled = CompiledDecode(model, sizes, options)
         compiled.warm_up(device)
     except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the eager path
         logger.warning("compilation_config: the decode graph could not be compiled, running "

@@ -177,7 +177,8 @@ class ModelRunner:
         # Decode steps through torch.compile (compilation_config level 3), compiled now.
         self.compiled: CompiledDecode | None = None
         if compilation is not None and compilation.enabled:
-            self.compiled = build_compiled_decode(self.model, compilation.compile_sizes, device)
+            self.compiled = build_compiled_decode(
+                self.model, compilation.compile_sizes, device, dict(compilation.inductor_compile_config))
 
     def _run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata,

@@ -97,8 +97,11 @@ def test_compilation_config_forms_and_errors():
     assert CompilationConfig.from_value(3).enabled
     assert CompilationConfig.from_value("-O3").enabled
     assert CompilationConfig.from_value('{"level": 3, "compile_sizes": [8, 1]}').compile_sizes == (8, 1)
+    options = CompilationConfig.from_value({"level": 3, "inductor_compile_config": {"cpp_wrapper": True}})
+    assert dict(options.inductor_compile_config) == {"cpp_wrapper": True}
     for bad, field in ((2, "level"), ({"level": 3, "cudagraph_mode": 1}, "cudagraph_mode"),
-                       ({"compile_sizes": [0]}, "compile_sizes"), ("{", "JSON")):
+                       ({"compile_sizes": [0]}, "compile_sizes"), ("{", "JSON"),
+                       ({"inductor_compile_config": [1]}, "inductor_compile_config")):
         with pytest.raises(ValueError, match=field):
             CompilationConfig.from_value(bad)
     config = EngineArgs(model="m", compilation_config=3, enforce_eager=True).create_engine_config()
