@@ -81,6 +81,8 @@ class CompilationConfig:
             )
         kwargs = dict(value)
         options = kwargs.get("inductor_compile_config")
+        if isinstance(options, list | tuple) and all(isinstance(o, list | tuple) and len(o) == 2 for o in options):
+            options = dict(options)  # the stored (name, value) pairs, e.g. from dataclasses.asdict
         if options is not None:
             if not isinstance(options, dict):
                 raise ValueError(f"compilation_config.inductor_compile_config must be a dict, got {options!r}")

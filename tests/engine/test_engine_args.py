@@ -28,7 +28,8 @@ def test_every_cli_setting_round_trips_through_its_flag() -> None:
             "--load-format", "gguf", "--tokenizer-mode", "slow", "--disable-log-stats",
             "--scheduling-policy", "priority", "--speculative-config", '{"method": "ngram"}',
             "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
-            "--structured-outputs-config", '{"backend": "xgrammar"}', "--guided-decoding-backend", "xgrammar"]
+            "--structured-outputs-config", '{"backend": "xgrammar"}', "--guided-decoding-backend", "xgrammar",
+            "--compilation-config", "3"]
     args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
     defaults = EngineArgs()
     for name in cli_flag_names():
