@@ -108,6 +108,8 @@ def test_compilation_config_forms_and_errors():
     assert not config.compilation.enabled  # enforce_eager wins, as in vLLM
     with pytest.raises(ValueError, match="enable_lora"):
         EngineArgs(model="m", compilation_config=3, enable_lora=True).create_engine_config()
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineArgs(model="m", compilation_config=3, tensor_parallel_size=2).create_engine_config()
 
 
 def test_compilation_config_flags():
