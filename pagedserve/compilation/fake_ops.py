@@ -46,6 +46,16 @@ def _gemv(ns: str) -> None:
     def _(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _rows_out(x, w.shape[0] * w.shape[2], torch.float32)
 
+    # Group-wise ops (quantization/gemv.py): channel tiles of 16, (out/16, in, 16) int8 and
+    # (out/16, in, 8) uint8 (two channels a byte); the output is in x's dtype.
+    @torch.library.register_fake(f"{ns}::gemv_int8_grouped")
+    def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return _rows_out(x, q.shape[0] * 16, x.dtype)
+
+    @torch.library.register_fake(f"{ns}::gemv_int4_grouped")
+    def _(x: torch.Tensor, q: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return _rows_out(x, q.shape[0] * 16, x.dtype)
+
 
 _REGISTER = {cpp_build.FUSED_OPS: _fused, cpp_build.GEMV: _gemv}
 

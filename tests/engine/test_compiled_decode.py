@@ -121,3 +121,13 @@ def test_compilation_config_flags():
     assert args.create_engine_config().compilation.compile_sizes == (2,)
     with pytest.raises(SystemExit):
         parser.parse_args(["m", "-O", '{"level": 3, "nope": 1}'])
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_compiled_decode_quantized_matches_eager(model_path, quantization):
+    """The group-wise GEMV ops trace as opaque calls too (their fakes): same greedy tokens."""
+    path = model_path(MODEL)
+    compiled = _llm(path, quantization=quantization, compilation_config={"level": 3, "compile_sizes": [4]})
+    prompts = make_prompts(compiled.llm_engine.vocab_size, lengths=[4, 9, 20], seed=3)
+    _assert_same(_run(compiled, prompts), _run(_llm(path, quantization=quantization), prompts))
+    assert compiled.llm_engine.runner.compiled.calls[4] >= NEW - 1
