@@ -153,9 +153,11 @@ async def bench_replicas(engine_args: EngineArgs, args: argparse.Namespace) -> d
             "latency_ms": await one_token_latency_ms(engine, args.repeats * 3),
         }
         block = engine_args.block_size
-        for name, affinity in (("hit_rate", True), ("hit_rate_random", False)):
+        for name, affinity, policy in (("hit_rate", True, "two_choices"),
+                                       ("hit_rate_balanced", False, "two_choices"),
+                                       ("hit_rate_random", False, "random")):
             engine.call_on_replicas(lambda e: e.reset_prefix_cache())
-            engine.configure_router(RouterConfig(block_size=block, affinity=affinity))
+            engine.configure_router(RouterConfig(block_size=block, affinity=affinity, balance_policy=policy))
             result[name] = await chat_hit_rate(engine, args, lambda: engine.stats)
         return result
     finally:
@@ -282,7 +284,8 @@ def main() -> None:
     print(f"prefix-cache hit rate, {args.conversations} chats x {args.turns} turns: one engine "
           f"{single['hit_rate']:.3f}, {n} replicas with affinity {replicas['hit_rate']:.3f} "
           f"({replicas['hit_rate'] / max(single['hit_rate'], 1e-9):.2f}x of one engine), "
-          f"balanced routing {replicas['hit_rate_random']:.3f}")
+          f"affinity off: least loaded of two {replicas['hit_rate_balanced']:.3f}, "
+          f"random {replicas['hit_rate_random']:.3f}")
 
 
 if __name__ == "__main__":

@@ -42,12 +42,17 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     # False: every request is balanced (the baseline the affinity is measured against).
     affinity: bool = True
+    # How a request without a preferred replica is placed: the less loaded of two random
+    # replicas, or (the baseline for the hit rate) one replica drawn at random.
+    balance_policy: str = "two_choices"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.affinity_blocks < 1:
             raise ValueError("block_size and affinity_blocks must be >= 1")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
+        if self.balance_policy not in ("two_choices", "random"):
+            raise ValueError(f"balance_policy must be 'two_choices' or 'random', got {self.balance_policy!r}")
 
 
 @dataclass(slots=True)
@@ -140,6 +145,8 @@ class ReplicaRouter:
         return load > least + cfg.balance_abs_threshold and load > least * cfg.balance_rel_threshold
 
     def _two_choices(self, live: list[int]) -> int:
+        if self.config.balance_policy == "random":
+            return self._rng.choice(live)
         picks = self._rng.sample(live, 2) if len(live) >= 2 else live
         return min(picks, key=lambda i: self.in_flight[i])
 
