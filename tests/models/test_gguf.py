@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf_utils import llama_gguf_writer
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.models.gguf import GGUFQuantizedTensor, iter_gguf_tensors, load_gguf_config
@@ -39,19 +40,7 @@ def _add(writer, name: str, weights: np.ndarray, qtype: str) -> None:
 def write_gguf(path, arch: str = "llama", tied: bool = False, extra_type: str | None = None) -> None:
     """A random 3-layer Llama-shaped GGUF (token ids only: no tokenizer metadata needed)."""
     rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(VOCAB)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer = llama_gguf_writer(path, arch, LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB)
 
     def rand(*shape: int, scale: float = 0.08) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf_utils import llama_gguf_writer
 from torch import nn
 
 from pagedserve import LLM, SamplingParams
@@ -30,19 +31,7 @@ def write_gguf(path, linear_type: str, types: dict[tuple[int, str], str] | None 
     """A random 2-layer Llama GGUF: every linear weight `linear_type` unless `types` says
     otherwise for (layer, part); F32 norms, Q8_0 embedding, F16 output head."""
     rng = np.random.default_rng(1)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(VOCAB)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer = llama_gguf_writer(path, "llama", LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB)
 
     def add(name: str, shape: tuple[int, ...], qtype: str, scale: float = 0.08, offset: float = 0.0) -> None:
         w = (rng.standard_normal(shape) * scale + offset).astype(np.float32)
