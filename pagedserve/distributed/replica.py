@@ -33,6 +33,8 @@ from pagedserve.engine_args import EngineArgs
 from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
+_MAX_UNCLAIMED_ABORTS = 10_000
+
 # The item that ends a group in the outputs stream: (group_id, END, None or an error message).
 END = -1
 
@@ -53,7 +55,9 @@ class EngineReplica:
         self.replica_index = replica_index
         self.engine = AsyncLLMEngine(LLMEngine(engine_args.create_engine_config()))
         self._groups: dict[str, RequestGroup] = {}
-        self._aborted: set[str] = set()
+        # Aborts that found no group (insertion-ordered, bounded: an abort that arrives after its
+        # group ended is never claimed by an add).
+        self._aborted: dict[str, None] = {}
         self._outbox: list[tuple[str, int, Any]] = []
         self._ready = asyncio.Event()
         self._forwarders: set[asyncio.Task[None]] = set()
@@ -97,7 +101,7 @@ class EngineReplica:
         except EngineDeadError as exc:
             return "dead", str(exc)
         if group_id in self._aborted:  # the abort overtook the add
-            self._aborted.discard(group_id)
+            del self._aborted[group_id]
             group.abort()
             return "added", None  # the ingress has dropped it already
         self._groups[group_id] = group
@@ -140,7 +144,9 @@ class EngineReplica:
         """Ends the group's stream and frees its requests' blocks before the next step."""
         group = self._groups.get(group_id)
         if group is None:
-            self._aborted.add(group_id)  # the abort overtook the add
+            self._aborted[group_id] = None  # the abort overtook the add (or came after the end)
+            if len(self._aborted) > _MAX_UNCLAIMED_ABORTS:
+                del self._aborted[next(iter(self._aborted))]
             return
         group.abort()
         group.put(_Aborted())
