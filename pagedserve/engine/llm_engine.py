@@ -494,6 +494,7 @@ class LLMEngine:
             timings = StepTimings(
                 num_seqs=len(sched_out.scheduled), num_tokens=sched_out.num_batched_tokens,
                 context_tokens=context, attended_keys=keys,
+                logits_rows=sum(item.num_logits_rows for item in sched_out.scheduled if item.sample),
                 schedule_s=t_scheduled - t_start, prepare_s=runner_out.prepare_s,
                 forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
                 update_s=t_updated - t_ran, output_s=end - t_updated, total_s=end - t_start,

@@ -18,6 +18,7 @@ def test_step_hook_reports_every_model_step(model_path) -> None:
     # Contexts 3 + 1, then 4 + 2, 5 + 3, 6 + 4 rows; the prefill scores 6 + 1 (query, key) pairs.
     assert [s.context_tokens for s in seen] == [4, 6, 8, 10]
     assert [s.attended_keys for s in seen] == [7, 6, 8, 10]
+    assert [s.logits_rows for s in seen] == [2, 2, 2, 2]
     assert llm.llm_engine.get_stats().num_steps_total == len(seen)
     for s in seen:
         parts = [s.schedule_s, s.prepare_s, s.forward_s, s.sample_s, s.update_s, s.output_s]
