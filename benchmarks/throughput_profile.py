@@ -53,7 +53,7 @@ def seq_bucket(n: int) -> str:
     low = 1
     for high in SEQ_BUCKETS:
         if n <= high:
-            return f"{low}-{high}"
+            return f"{low}-{high}" if high > low else str(low)
         low = high + 1
     return f">{SEQ_BUCKETS[-1]}"
 
@@ -222,7 +222,7 @@ def print_table(groups: dict, machine: dict, elapsed: float, steps: int) -> None
           f"{machine['read_bandwidth_gbs']:.1f} GB/s read; {steps} steps in {elapsed:.1f} s")
     print("| kind | seqs | steps | tokens | time s | roofline s | of roofline | phased s | of phased "
           "| GEMM s (bound) | attention s (bound) | other ops s | forward Python s | engine s (share) |")
-    print("|" + "---|" * 15)
+    print("|" + "---|" * 14)
     total = Group()
     order = {"prefill-heavy": 0, "mixed": 1, "decode": 2}
     for (kind, bucket), g in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], SEQ_BUCKETS_KEY(kv[0][1]))):
