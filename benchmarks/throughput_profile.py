@@ -3,6 +3,8 @@
     python benchmarks/throughput_profile.py                 # throughput.py's workload, one run
     python benchmarks/throughput_profile.py --quick         # smoke run (tiny model, few requests)
     python benchmarks/throughput_profile.py --profile-every 0   # timers only (no profiler)
+    python benchmarks/throughput_profile.py --schedule-only --gflops 169.5 --gbs 24.7
+                    # the run's roofline by step kind, from its schedule alone (seconds, any load)
 
 The workload, engine settings and machine probe are `benchmarks/throughput.py`'s. The
 engine is stepped here (`LLMEngine.step()`), and per step:
@@ -192,6 +194,46 @@ def run(args: argparse.Namespace, model: str, workload: list[dict], machine: dic
     return groups, elapsed, steps
 
 
+def schedule_only(args: argparse.Namespace, model: str, workload: list[dict], machine: dict) -> dict:
+    """The workload's schedule, stepped on a tiny stand-in model (the demo `llama-gqa`;
+    token ids folded into its vocabulary), costed with `model`'s per-step roofline.
+
+    With `ignore_eos`, fixed output lengths and a KV pool large enough for no preemption,
+    what the scheduler runs each step depends only on token counts and the engine's limits,
+    not on the model: the roofline of a run is known in seconds, on a busy machine too."""
+    from pagedserve.demo_models import get_model_path
+
+    stand_in = str(get_model_path("llama-gqa"))
+    llm = LLM(stand_in, kv_cache_memory_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, max_model_len=2048)
+    timings: list[StepTimings] = []
+    llm.llm_engine.add_step_hook(timings.append)
+    engine = llm.llm_engine
+    for i, r in enumerate(workload):
+        engine.add_request(str(i), {"prompt_token_ids": [8 + t % (engine.vocab_size - 8) for t in r["prompt"]]},
+                           SamplingParams(temperature=0, max_tokens=r["output_len"], ignore_eos=True,
+                                          detokenize=False))
+    cost = ModelCost.of(model)
+    groups: dict[tuple[str, str], Group] = defaultdict(Group)
+    while engine.has_unfinished_requests():
+        n_before = len(timings)
+        engine.step()
+        if len(timings) > n_before:
+            sched = engine.last_scheduler_output
+            t = timings[-1]
+            key = (step_kind([item.num_new_tokens for item in sched.scheduled]), seq_bucket(len(sched.scheduled)))
+            c = step_cost(cost, [t.num_tokens, t.num_seqs, t.context_tokens, t.attended_keys, t.logits_rows], machine)
+            g = groups[key]
+            g.steps += 1
+            g.tokens += t.num_tokens
+            g.roofline_s += c.roofline_s
+            g.phased_s += c.phased_s
+            g.linear_bound_s += c.linear_s
+            g.attn_bound_s += c.attn_s
+    assert engine.get_stats().scheduler.num_preemptions_total == 0, "preempted: give it more KV memory"
+    return groups
+
+
 def gemm_ceiling(model: str, rows: list[int], reps: int) -> list[tuple[int, float]]:
     """GFLOP/s of one decoder layer's linears (q/k/v, o, gate/up, down) + the LM head through
     the engine's own linear path (the loaded layers: oneDNN prepacked, the GEMV kernel up to
@@ -260,6 +302,10 @@ def main() -> None:
     parser.add_argument("--profile-every", type=int, default=4, help="profile every N-th step (0: none)")
     parser.add_argument("--gemm-rows", type=int, nargs="*", default=[1, 8, 9, 16, 32, 64, 128, 256, 512, 2048])
     parser.add_argument("--quick", action="store_true", help="tiny model and workload (smoke test)")
+    parser.add_argument("--schedule-only", action="store_true",
+                        help="no timing: the workload's schedule on a tiny stand-in, costed with --model's roofline")
+    parser.add_argument("--gflops", type=float, default=None, help="peak GFLOP/s to use instead of the probe")
+    parser.add_argument("--gbs", type=float, default=None, help="read GB/s to use instead of the probe")
     args = parser.parse_args()
     from pagedserve.bench.workloads import synthetic
     from pagedserve.demo_models import get_model_path
@@ -273,7 +319,14 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(model).vocab_size
     workload = [{"prompt": r.prompt_token_ids, "output_len": r.output_len}
                 for r in synthetic("sharegpt", args.num_requests, vocab, seed=0)]
-    machine = measure_machine()
+    if args.gflops and args.gbs:
+        machine = {"matmul_gflops": args.gflops, "read_bandwidth_gbs": args.gbs}
+    else:
+        machine = measure_machine()
+    if args.schedule_only:
+        groups = schedule_only(args, model, workload, machine)
+        print_table(groups, machine, float("nan"), sum(g.steps for g in groups.values()))
+        return
     groups, elapsed, steps = run(args, model, workload, machine)
     print_table(groups, machine, elapsed, steps)
     if args.gemm_rows:
