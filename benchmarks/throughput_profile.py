@@ -20,9 +20,11 @@ Steps are grouped by kind (decode-only; mixed: some prompt tokens; prefill-heavy
 tokens >= half the step) and by running sequences. The profiled steps give each group's
 shares of forward time, applied to the group's timed forward.
 
-Then the GEMM ceiling at the workload's shapes: the engine's own linear path (oneDNN
-prepacked, the GEMV kernel up to 8 rows) for every projection of the model at M rows, in
-GFLOP/s, beside the 2048^3 probe the roofline uses as peak.
+First the GEMM rate at the workload's shapes: the engine's own linear path (oneDNN
+prepacked, the GEMV kernel up to 8 rows) for one layer's projections + the LM head at M
+rows, in GFLOP/s, beside the 2048^3 probe the roofline uses as peak. "attainable" = each
+step's linears at that rate for its rows + its attention at the attention bound: what this
+machine's GEMM allows (`--gemm-rows` with no value skips it).
 """
 
 from __future__ import annotations
@@ -78,16 +80,18 @@ class Group:
     phased_s: float = 0.0
     linear_bound_s: float = 0.0
     attn_bound_s: float = 0.0
+    attainable_s: float = 0.0  # the GEMMs at their measured rate for the step's rows + attention's bound
     # From the profiled steps only: seconds per part, and their forward's seconds.
     profiled: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     profiled_forward_s: float = 0.0
 
-    def add(self, t: StepTimings, c: StepCost) -> None:
+    def add(self, t: StepTimings, c: StepCost, rates: GemmRates | None) -> None:
         self.steps += 1
         self.tokens += t.num_tokens
         self.total_s += t.total_s
         self.forward_s += t.forward_s
         self.engine_s += t.overhead_s
+        self.attainable_s += rates.seconds(c, t.num_tokens) if rates is not None else float("nan")
         self.roofline_s += c.roofline_s
         self.phased_s += c.phased_s
         self.linear_bound_s += c.linear_s
@@ -98,6 +102,26 @@ class Group:
         if self.profiled_forward_s <= 0:
             return float("nan")
         return self.forward_s * self.profiled[part] / self.profiled_forward_s
+
+
+@dataclass(frozen=True)
+class GemmRates:
+    """GFLOP/s the engine's linears reach at M rows (`gemm_ceiling`), interpolated."""
+
+    rows: list[int]
+    gflops: list[float]
+
+    def rate(self, m: int) -> float:
+        if m <= self.rows[0]:
+            return self.gflops[0]
+        for (m0, r0), (m1, r1) in zip(zip(self.rows, self.gflops), zip(self.rows[1:], self.gflops[1:])):  # noqa: B905
+            if m <= m1:
+                return r0 + (r1 - r0) * (m - m0) / (m1 - m0)
+        return self.gflops[-1]
+
+    def seconds(self, c: StepCost, tokens: int) -> float:
+        """A step's attainable time: its linears at the rate of its rows, attention at its bound."""
+        return c.linear_flops / (self.rate(tokens) * 1e9) + c.attn_s
 
 
 def classify(name: str) -> str:
@@ -135,7 +159,8 @@ def head_seconds(events: list) -> float:
                if classify(e.name) == "gemm") / 1e6
 
 
-def run(args: argparse.Namespace, model: str, workload: list[dict], machine: dict) -> tuple[dict, float, int]:
+def run(args: argparse.Namespace, model: str, workload: list[dict], machine: dict,
+        rates: GemmRates | None) -> tuple[dict, float, int]:
     llm = LLM(model, kv_cache_memory_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, max_model_len=2048)
     llm.generate([{"prompt_token_ids": [11, 12, 13]}], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -181,7 +206,7 @@ def run(args: argparse.Namespace, model: str, workload: list[dict], machine: dic
             key = (step_kind([item.num_new_tokens for item in sched.scheduled]), seq_bucket(len(sched.scheduled)))
             t = timings[-1]
             work = [t.num_tokens, t.num_seqs, t.context_tokens, t.attended_keys, t.logits_rows]
-            groups[key].add(t, step_cost(cost, work, machine))
+            groups[key].add(t, step_cost(cost, work, machine), rates)
             pending.append(key)
             steps += 1
         if prof is not None:
@@ -194,7 +219,8 @@ def run(args: argparse.Namespace, model: str, workload: list[dict], machine: dic
     return groups, elapsed, steps
 
 
-def schedule_only(args: argparse.Namespace, model: str, workload: list[dict], machine: dict) -> dict:
+def schedule_only(args: argparse.Namespace, model: str, workload: list[dict], machine: dict,
+                  rates: GemmRates | None) -> dict:
     """The workload's schedule, stepped on a tiny stand-in model (the demo `llama-gqa`;
     token ids folded into its vocabulary), costed with `model`'s per-step roofline.
 
@@ -230,6 +256,7 @@ def schedule_only(args: argparse.Namespace, model: str, workload: list[dict], ma
             g.phased_s += c.phased_s
             g.linear_bound_s += c.linear_s
             g.attn_bound_s += c.attn_s
+            g.attainable_s += rates.seconds(c, t.num_tokens) if rates is not None else float("nan")
     assert engine.get_stats().scheduler.num_preemptions_total == 0, "preempted: give it more KV memory"
     return groups
 
@@ -263,14 +290,15 @@ def print_table(groups: dict, machine: dict, elapsed: float, steps: int) -> None
     print(f"\nmachine: {machine['matmul_gflops']:.1f} GFLOP/s (2048^3 fp32 GEMM), "
           f"{machine['read_bandwidth_gbs']:.1f} GB/s read; {steps} steps in {elapsed:.1f} s")
     print("| kind | seqs | steps | tokens | time s | roofline s | of roofline | phased s | of phased "
+          "| attainable s | of attainable "
           "| GEMM s (bound) | attention s (bound) | other ops s | forward Python s | engine s (share) |")
-    print("|" + "---|" * 14)
+    print("|" + "---|" * 16)
     total = Group()
     order = {"prefill-heavy": 0, "mixed": 1, "decode": 2}
     for (kind, bucket), g in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], SEQ_BUCKETS_KEY(kv[0][1]))):
         _row(kind, bucket, g)
         for name in ("steps", "tokens", "total_s", "forward_s", "engine_s", "roofline_s", "phased_s",
-                     "linear_bound_s", "attn_bound_s", "profiled_forward_s"):
+                     "linear_bound_s", "attn_bound_s", "attainable_s", "profiled_forward_s"):
             setattr(total, name, getattr(total, name) + getattr(g, name))
         for k in PARTS:
             total.profiled[k] += g.profiled[k]
@@ -287,6 +315,7 @@ def _row(kind: str, bucket: str, g: Group) -> None:
 
     print(f"| {kind} | {bucket} | {g.steps} | {g.tokens} | {g.total_s:.2f} | {g.roofline_s:.2f} | "
           f"{share(g.roofline_s, g.total_s)} | {g.phased_s:.2f} | {share(g.phased_s, g.total_s)} | "
+          f"{g.attainable_s:.2f} | {share(g.attainable_s, g.total_s)} | "
           f"{g.part_s('gemm'):.2f} ({g.linear_bound_s:.2f}) | {g.part_s('attention'):.2f} ({g.attn_bound_s:.2f}) | "
           f"{g.part_s('other_ops'):.2f} | {g.part_s('python'):.2f} | {g.engine_s:.2f} ({share(g.engine_s, g.total_s)}) |")
 
@@ -323,17 +352,20 @@ def main() -> None:
         machine = {"matmul_gflops": args.gflops, "read_bandwidth_gbs": args.gbs}
     else:
         machine = measure_machine()
+    rates = None
+    if args.gemm_rows:
+        table = gemm_ceiling(model, sorted(args.gemm_rows), reps=3 if args.quick else 7)
+        print("GEMM at the workload's shapes (one layer's q/k/v, o, gate/up, down + the LM head, "
+              "the engine's own linear path):")
+        for m, gflops in table:
+            print(f"  M={m:5d}: {gflops:6.1f} GFLOP/s ({100 * gflops / machine['matmul_gflops']:.0f}% of the probe)")
+        rates = GemmRates([m for m, _ in table], [g for _, g in table])
     if args.schedule_only:
-        groups = schedule_only(args, model, workload, machine)
+        groups = schedule_only(args, model, workload, machine, rates)
         print_table(groups, machine, float("nan"), sum(g.steps for g in groups.values()))
         return
-    groups, elapsed, steps = run(args, model, workload, machine)
+    groups, elapsed, steps = run(args, model, workload, machine, rates)
     print_table(groups, machine, elapsed, steps)
-    if args.gemm_rows:
-        print("\nGEMM at the workload's shapes (one layer's q/k/v, o, gate/up, down + the LM head, "
-              "the engine's own linear path):")
-        for m, gflops in gemm_ceiling(model, args.gemm_rows, reps=3 if args.quick else 7):
-            print(f"  M={m:5d}: {gflops:6.1f} GFLOP/s ({100 * gflops / machine['matmul_gflops']:.0f}% of the probe)")
 
 
 if __name__ == "__main__":
