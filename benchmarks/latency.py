@@ -6,6 +6,8 @@
     python benchmarks/latency.py --models smollm2 --precisions fp32 int8 int4 gguf --compare
     python benchmarks/latency.py --compare                     # GEMV kernel off vs on, paired
     python benchmarks/latency.py --compile                     # eager vs compiled decode, paired
+    python benchmarks/latency.py --models 125m --precisions fp32 --overhead-only --overhead-batch 256
+                                                               # engine overhead at 256 sequences
 
 Per (model, precision), in one process:
   * a read-bandwidth probe (a float32 sum over a 512 MiB buffer, best of 5) run just before,
@@ -203,8 +205,12 @@ def med(values: list[float]) -> float:
 
 def measure(llms: list[LLM], args: argparse.Namespace, vocab: int) -> list[dict]:
     """Every measurement, alternating over `llms` run by run; one result dict per engine."""
-    res: list[dict] = [{"decode_tok_s": [], "overhead_b1": [], "tpot": {}, "prefill": [], "overhead_big": []} for _ in llms]
+    res: list[dict] = [{"decode_tok_s": [], "overhead_b1": [], "tpot": {}, "prefill": [], "overhead_big": [],
+                        "parts_big": []} for _ in llms]
     for run in range(args.runs):
+        if args.overhead_only:
+            measure_overhead(llms, args, vocab, run, res)
+            continue
         for i, llm in enumerate(llms):
             start = time.perf_counter()
             steps = decode_run(llm, 1, args.tokens, vocab, run)
@@ -218,10 +224,23 @@ def measure(llms: list[LLM], args: argparse.Namespace, vocab: int) -> list[dict]
             step = prefill_run(llm, args.prefill_len, vocab, 1000 * run + i)
             res[i]["prefill"].append(step.num_tokens / step.total_s)
         if args.overhead_batch:
-            for i, llm in enumerate(llms):
-                steps = decode_run(llm, args.overhead_batch, 8, vocab, run)
-                res[i]["overhead_big"].append(med([s.overhead_s / s.total_s for s in steps]))
+            measure_overhead(llms, args, vocab, run, res)
     return res
+
+
+OVERHEAD_PARTS = ("schedule_s", "prepare_s", "sample_s", "update_s", "output_s")
+
+
+def measure_overhead(llms: list[LLM], args: argparse.Namespace, vocab: int, run: int, res: list[dict]) -> None:
+    """--overhead-batch sequences decoding together: the engine's share of the median step,
+    and the median of each part outside the forward (seconds)."""
+    for i, llm in enumerate(llms):
+        steps = decode_run(llm, args.overhead_batch, args.overhead_tokens, vocab, run)
+        res[i]["overhead_big"].append(med([s.overhead_s / s.total_s for s in steps]))
+        parts = {name: med([getattr(s, name) for s in steps]) for name in OVERHEAD_PARTS}
+        parts["total_s"] = med([s.total_s for s in steps])
+        parts["glue_s"] = med([s.overhead_s - sum(getattr(s, n) for n in OVERHEAD_PARTS) for s in steps])
+        res[i]["parts_big"].append(parts)
 
 
 @contextlib.contextmanager
@@ -264,6 +283,11 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str | None, dict]]:
 
 
 def report(label: str, r: dict, roofline: float, batches: list[int]) -> str:
+    if not r["decode_tok_s"]:  # --overhead-only
+        parts = {k: med([p[k] for p in r["parts_big"]]) * 1e3 for k in r["parts_big"][0]}
+        return (f"{label:10} overhead at the big batch {100 * med(r['overhead_big']):4.1f}% of a "
+                f"{parts.pop('total_s'):.1f} ms step; median ms: "
+                + " ".join(f"{k[:-2]} {v:.2f}" for k, v in parts.items()))
     decode = med(r["decode_tok_s"])
     tpot = {b: med(v) * 1e3 for b, v in r["tpot"].items()}
     parts = [
@@ -305,7 +329,7 @@ def run_config(model: str, precision: str, args: argparse.Namespace, print_fn: C
     results = measure(llms, args, vocab)
     for (label, _, _), r in zip(engines, results, strict=True):
         print_fn("  " + report(label or precision, r, roofline, args.batches))
-    if len(results) == 2:
+    if len(results) == 2 and not args.overhead_only:
         off, on = results
         ratios = [b / a for a, b in zip(off["decode_tok_s"], on["decode_tok_s"], strict=True)]
         names = f"{engines[1][0]}/{engines[0][0]}"
@@ -326,6 +350,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--overhead-batch", type=int, default=256, help="0 to skip")
+    parser.add_argument("--overhead-tokens", type=int, default=8, help="decode length of the overhead run")
+    parser.add_argument("--overhead-only", action="store_true",
+                        help="only the engine overhead at --overhead-batch sequences, with its parts")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--max-model-len", type=int, default=1024)

@@ -494,6 +494,7 @@ class LLMEngine:
             timings = StepTimings(
                 num_seqs=len(sched_out.scheduled), num_tokens=sched_out.num_batched_tokens,
                 context_tokens=context, attended_keys=keys,
+                logits_rows=sum(item.num_logits_rows for item in sched_out.scheduled if item.sample),
                 schedule_s=t_scheduled - t_start, prepare_s=runner_out.prepare_s,
                 forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
                 update_s=t_updated - t_ran, output_s=end - t_updated, total_s=end - t_start,
@@ -510,6 +511,8 @@ class LLMEngine:
             self.faults.check("detokenize", request.request_id)
         self._process_new_tokens(request, first_new, logprobs, now)
         finished = request.status.finished
+        if not finished and _reports_only_when_finished(request):
+            return None  # nobody reads this step's output: not built (O(tokens) per request)
         output = self.output_processor.make_output(request, finished)
         if finished:
             self.output_processor.finish(request.request_id, now)
@@ -627,6 +630,13 @@ class LLMEngine:
                 assert state["generators"] == 0, f"tensor-parallel rank {rank} holds sampling generators"
                 assert state["num_blocks"] == self.num_blocks, (
                     f"tensor-parallel rank {rank} has {state['num_blocks']} KV blocks, rank 0 {self.num_blocks}")
+
+
+def _reports_only_when_finished(request: Request) -> bool:
+    """Whether the caller sees this request only when it finishes: output_kind "final_only",
+    or a sample of an n / best_of group outside delta mode (the group reports once)."""
+    kind = request.sampling_params.output_kind
+    return kind == "final_only" or (request.group_id is not None and kind != "delta")
 
 
 def _with_max_tokens(params: BeamSearchParams, max_tokens: int) -> BeamSearchParams:

@@ -1,8 +1,10 @@
 """Per-step wall-clock timings of `LLMEngine.step()`, handed to step hooks.
 
 The step's batch: `num_seqs` requests, `num_tokens` tokens through the model,
-`context_tokens` K/V rows the attention reads (each request's whole context, once) and
-`attended_keys` (query, key) pairs it scores, summed over requests.
+`context_tokens` K/V rows the attention reads (each request's whole context, once),
+`attended_keys` (query, key) pairs it scores, summed over requests, and `logits_rows` rows
+the LM head runs on (one per sampling request, fork and proposal; none for a prompt chunk
+that does not end its prompt).
 
 One step, in order (each field in seconds):
 
@@ -32,6 +34,7 @@ class StepTimings:
     num_tokens: int
     context_tokens: int
     attended_keys: int
+    logits_rows: int
     schedule_s: float
     prepare_s: float
     forward_s: float

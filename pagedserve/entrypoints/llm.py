@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -223,7 +223,8 @@ class LLM:
         priorities = priorities or [0] * len(prompts)
         try:
             for prompt, p, lora, priority in zip(prompts, params, loras, priorities, strict=True):
-                added.append(engine.add_request(None, prompt, p, lora_request=lora, priority=priority))
+                added.append(engine.add_request(None, prompt, _final_only(p, engine), lora_request=lora,
+                                                priority=priority))
         except Exception:
             # One bad prompt fails the call, but must not leave the others in the engine.
             engine.abort_request(added)
@@ -238,8 +239,8 @@ class LLM:
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
-                    generated += 1
                     if output.finished:
+                        generated += sum(len(c.token_ids) for c in output.outputs)
                         finished[output.request_id] = output
                         bar.update(1)
                 if use_tqdm:
@@ -259,6 +260,16 @@ class Metric:
     name: str
     kind: str
     value: float
+
+
+def _final_only(params: Any, engine: LLMEngine) -> Any:
+    """`LLM` returns only finished outputs, so a cumulative request (the default) runs as
+    "final_only", as in vLLM's LLM: the engine then builds its output once, not every step."""
+    if params is None:
+        params = engine.default_sampling_params()
+    if isinstance(params, SamplingParams) and params.output_kind == "cumulative":
+        return replace(params, output_kind="final_only")
+    return params
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., Any], **kwargs: Any) -> Any:
