@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -159,6 +160,7 @@ def worker(request_path: str, response_path: str) -> None:
     n_ctx = max(len(p) for p in prompts) + req["new_tokens"] + 8
     results: dict[str, dict] = {}
     for name in ["f32"] + [n for n in names if n != "f32"]:
+        start = time.perf_counter()
         weights, kv = LLAMA_CONFIGS[name]
         llm = load_llama(paths[weights], kv, n_ctx, req["threads"])
         outputs = [llama_greedy(llm, p, req["new_tokens"], eos) for p in prompts]
@@ -167,7 +169,7 @@ def worker(request_path: str, response_path: str) -> None:
         results[name] = {"outputs": outputs, "forced": forced, "file": paths[weights],
                          "tensor_types": tensor_types(paths[weights])}
         del llm
-        print(f"# llama.cpp {name} done", file=sys.stderr, flush=True)
+        print(f"# llama.cpp {name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     meta = {"llama_cpp_python": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode()}
     Path(response_path).write_text(json.dumps({"meta": meta, "results": results}))
 
@@ -187,18 +189,41 @@ def pagedserve_side(args: argparse.Namespace) -> tuple[list[list[int]], list[int
     prompts: list[list[int]] = []
     eos: list[int] = []
     results: dict[str, dict] = {}
+    saved = quality_results(args)
     for name in args.pagedserve_configs or ["fp32"]:
+        if prompts and name in saved:
+            results[name] = {"outputs": saved[name]}
+            print(f"# pagedserve {name}: from {args.pagedserve_results}", flush=True)
+            continue
         llm = LLM(args.model, max_model_len=1024, kv_cache_memory_bytes=256 << 20,
                   enable_prefix_caching=False, **CONFIGS[name])
         if not prompts:
             prompts = chat_prompts(llm.get_tokenizer(), args.prompts)
             eos = list(llm.llm_engine.eos_token_ids)
+            if name in saved:
+                results[name] = {"outputs": saved[name]}
+                print(f"# pagedserve {name}: from {args.pagedserve_results}", flush=True)
+                del llm
+                continue
         params = SamplingParams(temperature=0, max_tokens=args.new_tokens)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results[name] = {"outputs": [list(o.outputs[0].token_ids) for o in outs]}
         del llm
         print(f"# pagedserve {name} done", flush=True)
     return prompts, eos, results
+
+
+def quality_results(args: argparse.Namespace) -> dict[str, list[list[int]]]:
+    """Greedy replies saved by `benchmarks/quality.py --results-dir` for the same model, prompt
+    count and reply length (the same prompts: quality.chat_prompts), by configuration."""
+    found: dict[str, list[list[int]]] = {}
+    if args.pagedserve_results is None:
+        return found
+    for path in sorted(Path(args.pagedserve_results).glob("*.json")):
+        key = json.loads(path.read_text()).get("key", {})
+        if (key.get("model"), key.get("prompts"), key.get("new_tokens")) == (args.model, args.prompts, args.new_tokens):
+            found[path.stem] = json.loads(path.read_text())["outputs"]
+    return found
 
 
 def run_llama(args: argparse.Namespace, prompts: list[list[int]], eos: list[int]) -> dict:
@@ -265,6 +290,9 @@ def main() -> None:
                         help=f"comma list of {', '.join(LLAMA_CONFIGS)} (f32 always runs: the reference)")
     parser.add_argument("--pagedserve-configs", default="fp32,int8",
                         help="comma list of benchmarks/quality.py's configurations (fp32 always runs)")
+    parser.add_argument("--pagedserve-results", default=None,
+                        help="reuse pagedserve's greedy replies saved by benchmarks/quality.py --results-dir "
+                             "(same --model, --prompts, --new-tokens) instead of running those configurations")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
