@@ -252,9 +252,9 @@ def report(args: argparse.Namespace, llama: dict, paged: dict[str, dict]) -> Non
     print(f"\nllama-cpp-python {llama['meta']['llama_cpp_python']}; {llama['meta']['system_info'].strip()}")
     print(f"Python {platform.python_version()}, {args.threads} threads; prompts: quality.CHAT_PROMPTS "
           f"rendered by pagedserve's tokenizer, the same ids on both sides")
-    for label, key in runs.items():
-        if key.startswith("llama.cpp"):
-            print(f"- {label}: {Path(runs[label]['file']).name} {runs[label]['tensor_types']}")
+    for label, run in runs.items():
+        if label.startswith("llama.cpp"):
+            print(f"- {label}: {Path(run['file']).name} {run['tensor_types']}")
     for prompts, tokens in [(args.prompts, args.new_tokens), (min(12, args.prompts), min(48, args.new_tokens))]:
         print(f"\n{prompts} prompts x {tokens} tokens: first-divergence agreement vs each reference")
         head = " | ".join(f"vs {label}" for label, _ in references)
@@ -297,10 +297,16 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     parser.add_argument("--results", default=None, help="also write every reply and row here (JSON)")
+    parser.add_argument("--report", default=None, metavar="RESULTS",
+                        help="only print the tables from a --results file of an earlier run")
     parser.add_argument("--worker", nargs=2, metavar=("REQUEST", "RESPONSE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker)
+        return
+    if args.report:
+        saved = json.loads(Path(args.report).read_text())
+        report(args, saved["llama"], saved["pagedserve"])
         return
     args.llama_configs = [n for n in args.llama_configs.split(",") if n]
     paged_names = [n for n in args.pagedserve_configs.split(",") if n]
