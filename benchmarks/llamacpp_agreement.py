@@ -7,6 +7,9 @@ llama.cpp runs in its own virtual environment, never the project's:
     /work/cache/llamacpp-venv/bin/pip install numpy gguf llama-cpp-python   # compiles llama.cpp
     python benchmarks/llamacpp_agreement.py --model /work/cache/smollm2-hf \\
         --llama-python /work/cache/llamacpp-venv/bin/python --gguf-dir /work/cache/llamacpp
+    # reuse pagedserve replies saved by `quality.py --results-dir R` (same prompts) instead of
+    # running them: --pagedserve-configs fp32,int8,... --pagedserve-results R
+    # keep every reply (--results F), reprint the tables later: --report F
 
 What it does:
   * pagedserve side (this interpreter): the chat prompts of benchmarks/quality.py rendered to
