@@ -71,7 +71,7 @@ PRECISIONS = {  # name -> (dtype, quantization)
 # The tensors one product of a linear layer reads, per method (packed / F.linear / int8 /
 # int4); the GEMV's `gemv_weight` is a second copy of `packed_weight`, not counted twice.
 _READ_TENSORS = ("packed_weight", "weight", "qweight_packed", "qweight", "weight_scale", "scales_zeros",
-                 "qweight_tiles", "scale_tiles", "scales_zeros_tiles")
+                 "qweight_tiles", "qweight_quads", "scale_tiles", "scales_zeros_tiles")
 
 
 # ---- models ------------------------------------------------------------------------------
