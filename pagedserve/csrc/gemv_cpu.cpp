@@ -128,6 +128,42 @@ inline void tile_dot(const float* x, int64_t ldx, int64_t pairs, const Load& loa
   }
 }
 
+// bfloat16 tiles: 16 bf16 of a pair (8 channels x 2 k) are 8 32-bit lanes (c k0 | c k1 << 16);
+// a shift left by 16 gives k0's weights as floats and a mask of the low half k1's, so 16
+// weights cost 2 integer ops (the generic loader's zero-extend + shift costs 4) and each
+// accumulator holds one channel's sum: no horizontal adds at the end.
+template <int MT, int U>
+inline void tile_dot_bf16(const float* x, int64_t ldx, int64_t pairs, const uint16_t* w, float* out) {
+  __m256 acc[U][MT][4];
+  for (int u = 0; u < U; ++u)
+    for (int i = 0; i < MT; ++i)
+      for (int v = 0; v < 4; ++v) acc[u][i][v] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  auto step = [&](int u, int64_t p) {
+    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
+    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(b0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(b0, high));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(b1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(b1, high));
+    for (int i = 0; i < MT; ++i) {
+      const __m256 xe = _mm256_broadcast_ss(x + i * ldx + 2 * p), xo = _mm256_broadcast_ss(x + i * ldx + 2 * p + 1);
+      acc[u][i][0] = _mm256_fmadd_ps(e0, xe, acc[u][i][0]);
+      acc[u][i][1] = _mm256_fmadd_ps(o0, xo, acc[u][i][1]);
+      acc[u][i][2] = _mm256_fmadd_ps(e1, xe, acc[u][i][2]);
+      acc[u][i][3] = _mm256_fmadd_ps(o1, xo, acc[u][i][3]);
+    }
+  };
+  int64_t p = 0;
+  for (; p + U <= pairs; p += U)
+    for (int u = 0; u < U; ++u) step(u, p + u);
+  for (; p < pairs; ++p) step(0, p);
+  for (int i = 0; i < MT; ++i) {
+    for (int v = 0; v < 4; ++v)
+      for (int u = 1; u < U; ++u) acc[0][i][v] = _mm256_add_ps(acc[0][i][v], acc[u][i][v]);
+    _mm256_storeu_ps(out + i * kTile, _mm256_add_ps(acc[0][i][0], acc[0][i][1]));
+    _mm256_storeu_ps(out + i * kTile + 8, _mm256_add_ps(acc[0][i][2], acc[0][i][3]));
+  }
+}
+
 // All M rows times tile `t`: sums[m * 16 + j] for channels 16 t + j.
 template <class Load>
 inline void tile_all_rows(const float* x, int64_t M, int64_t K, const Load& load, float* sums) {
@@ -137,6 +173,14 @@ inline void tile_all_rows(const float* x, int64_t M, int64_t K, const Load& load
   for (; m + 3 <= M; m += 3) tile_dot<3, 1>(x + m * K, K, pairs, load, sums + m * kTile);
   if (M - m == 2) tile_dot<2, 1>(x + m * K, K, pairs, load, sums + m * kTile);
   if (M - m == 1) tile_dot<1, 2>(x + m * K, K, pairs, load, sums + m * kTile);
+}
+inline void tile_all_rows(const float* x, int64_t M, int64_t K, const LoadBF16& load, float* sums) {
+  const int64_t pairs = K / 2;
+  if (M == 1) return tile_dot_bf16<1, 2>(x, K, pairs, load.w, sums);
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) tile_dot_bf16<3, 1>(x + m * K, K, pairs, load.w, sums + m * kTile);
+  if (M - m == 2) tile_dot_bf16<2, 1>(x + m * K, K, pairs, load.w, sums + m * kTile);
+  if (M - m == 1) tile_dot_bf16<1, 2>(x + m * K, K, pairs, load.w, sums + m * kTile);
 }
 
 // Runs `body(t, sums)` for every tile, tiles split across threads in contiguous ranges

@@ -22,8 +22,8 @@ summation order differs, and for a bf16 model the torch path rounds q * scale to
     q8_0 activations), exact int8 x int8 block dot products, one float multiply-add per block
     (about half the AVX2 instructions per weight of converting every weight to float); the
     layer then keeps its weights as the kernel's quad tiles (`gemv.pack_int8_quads`), and
-    the GEMM path below multiplies x rounded the same way (`gemv.q8_round_trip`), so prefill
-    and decode compute one function;
+    the GEMM path below (prefill; PAGEDSERVE_GEMV=off) multiplies x rounded the same way
+    (`gemv.q8_round_trip`), so every row count computes one function;
   * more rows, or no kernel (PAGEDSERVE_GEMV=off, out % 16 != 0): y = x @ (q * scale)^T in
     the activation dtype (float32 for a float32 model: the weights are the only thing
     rounded), one block of output rows at a time (the block's dequantized copy, ~4 MiB,
@@ -150,7 +150,7 @@ class Int8GroupedLinearMethod(LinearMethod):
             if rows <= gemv.GROUPED_MAX_ROWS:
                 return gemv.in_chunks(op, x, tiles, layer.scale_tiles, bias)
         x2 = x.reshape(-1, x.shape[-1])
-        if op is gemv.int8_q8 and tiles is not None:  # the same activation rounding as the kernel
+        if self.activations == "int8":  # the kernel's rounding: one function at every row count
             x2 = gemv.q8_round_trip(x2)
         blocks = _tile_blocks(layer, x.dtype) if tiles is not None else _row_blocks(layer, x.dtype)
         parts = [F.linear(x2, w) for w in blocks]

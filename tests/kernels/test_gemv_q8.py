@@ -159,6 +159,11 @@ def test_method_with_int8_activations(rows: int) -> None:
     else:
         want = F.linear(_q8_round_trip(x), dequantize_int8_grouped(q, scale), bias)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Without the kernel (PAGEDSERVE_GEMV=off keeps the untiled layout): the same function.
+    off_layer, off = _Linear(w, bias), Int8GroupedLinearMethod(32, gemv=False, activations="int8")
+    off.process_weights_after_loading(off_layer)
+    assert not hasattr(off_layer, "qweight_quads")
+    _check(off.apply(off_layer, x), x, q, scale, bias)
 
 
 def test_config_activations_setting() -> None:
