@@ -170,7 +170,7 @@ def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The activation rounding of `int8_q8`, in torch: x (M, K) float -> (xq (M, K) int8,
     d (M, K/32) float32), x ~= xq * d per block of 32; d = absmax / 127, xq = round-half-even
     of x * (1 / d) (0 for an all-zero block)."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
+    blocks = x.float().reshape(x.shape[0], x.shape[1] // 32, 32)
     d = blocks.abs().amax(dim=-1) / 127.0
     inv = torch.where(d != 0, torch.ones_like(d) / d, torch.zeros_like(d))
     xq = torch.round(blocks * inv[..., None]).to(torch.int8)
@@ -183,7 +183,7 @@ def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
     rows computes the function a decode step does."""
     flat = x.reshape(-1, x.shape[-1])
     xq, d = quantize_rows_q8(flat)
-    return (xq.float().view(flat.shape[0], -1, 32) * d[..., None]).reshape(x.shape).to(x.dtype)
+    return (xq.float().view(flat.shape[0], flat.shape[1] // 32, 32) * d[..., None]).reshape(x.shape).to(x.dtype)
 
 
 def pack_int4_grouped(

@@ -129,7 +129,7 @@ def _q8_round_trip(x: torch.Tensor) -> torch.Tensor:
     """The oracle's own round trip (not gemv.q8_round_trip, which the GEMM path uses)."""
     flat = x.reshape(-1, x.shape[-1])
     xq, d = gemv.quantize_rows_q8(flat)
-    return (xq.float().view(flat.shape[0], -1, 32) * d[..., None]).reshape(x.shape).to(x.dtype)
+    return (xq.float().view(flat.shape[0], flat.shape[1] // 32, 32) * d[..., None]).reshape(x.shape).to(x.dtype)
 
 
 class _Linear(nn.Module):
