@@ -172,7 +172,7 @@ class EngineArgs:
     quantization_activations: str = field(default="auto", metadata=_setting(
         "int8 (group-wise) only: int8 rounds each decode step's activations to int8 per block of "
         "32 (scale absmax / 127, like llama.cpp's q8_0 x q8_0 dot; W8A8 dynamic); none keeps them "
-        "float (weight-only, W8A16); auto: the default (int8)",
+        "float (weight-only, W8A16); auto: pagedserve's default (none)",
         choices=("auto", "int8", "none"), vllm="pagedserve only"))
 
     block_size: int = field(default=16, metadata=_setting("tokens per KV cache block"))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.quantization import QuantizationConfig, gemv
+from pagedserve.quantization import DEFAULT_INT8_ACTIVATIONS, QuantizationConfig, gemv
 from pagedserve.quantization.int8_grouped import (
     Int8GroupedLinearMethod,
     dequantize_int8_grouped,
@@ -167,7 +167,8 @@ def test_method_with_int8_activations(rows: int) -> None:
 
 
 def test_config_activations_setting() -> None:
-    assert QuantizationConfig("int8").linear_method().activations == "int8"  # the default
+    assert QuantizationConfig("int8").linear_method().activations == DEFAULT_INT8_ACTIVATIONS
+    assert QuantizationConfig("int8", activations="int8").linear_method().activations == "int8"
     assert QuantizationConfig("int8", activations="none").linear_method().activations == "none"
     with pytest.raises(ValueError, match="group-wise quantization='int8' only"):
         QuantizationConfig("int4", activations="int8")
