@@ -2,11 +2,16 @@
 
     python benchmarks/decode_profile.py --model smollm2 --dtype float32 --tokens 64
     python benchmarks/decode_profile.py --model smollm2 --dtype bfloat16 --compile
+    python benchmarks/decode_profile.py --model smollm2 --quantization int8 --batch 8
+    python benchmarks/decode_profile.py --model smollm2 --quantization int8 --quantization-activations none
 
 Per generated token: wall time, time inside the linear kernels (GEMV / oneDNN / F.linear),
 inside every other top-level op, and outside any op (Python: module calls, input building,
 sampling glue), plus the number of top-level ops dispatched. "Top-level" = ops not called
-from inside another op, so nothing is counted twice.
+from inside another op, so nothing is counted twice. The linear time is split into the LM
+head (the one linear op per step with the vocabulary as its output) and the other layers;
+the other ops into attention, norms / rotary / activations, and the rest. With --batch B,
+B requests decode together (time per step = per token of each).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -27,6 +33,15 @@ from latency import resolve_model  # noqa: E402
 from pagedserve import LLM, SamplingParams  # noqa: E402
 
 LINEAR_OPS = ("gemv", "linear", "mkldnn", "addmm", "mm")
+CATEGORIES = {  # other top-level ops, by the name after "namespace::"; the first match counts
+    "attention": ("attention", "reshape_and_cache", "sdpa", "scaled_dot"),
+    "norms/rope/act": ("rms", "norm", "rotary", "silu", "gelu", "mul", "add", "rsqrt", "pow", "mean"),
+}
+
+
+def category(name: str) -> str:
+    op = name.rsplit("::", 1)[-1].lower()
+    return next((c for c, keys in CATEGORIES.items() if any(k in op for k in keys)), "the rest")
 
 
 def top_level(events: list) -> list:
@@ -43,6 +58,18 @@ def top_level(events: list) -> list:
     return out
 
 
+def _is_lm_head(event, vocab: int | None) -> bool:
+    """The LM head: the linear op whose weight has the vocabulary as its output size (from the
+    recorded input shapes)."""
+    shapes = list(event.input_shapes or [])
+    if vocab is None or len(shapes) < 2 or not shapes[1]:
+        return False
+    w = shapes[1]
+    # F.linear (out, in); pair / quad tiles (out/16, in/e, 16, e); channel tiles (out/16, in, ...)
+    out = {2: w[0], 3: w[0] * 16, 4: w[0] * w[2]}.get(len(w))
+    return out == vocab
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -51,31 +78,53 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="compiled decode (compilation_config level 3)")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--quantization", default=None, choices=("int8", "int4"))
+    parser.add_argument("--quantization-activations", default="auto", choices=("auto", "int8", "none"))
+    parser.add_argument("--quantize-lm-head", action="store_true")
+    parser.add_argument("--batch", type=int, default=1, help="requests decoding together")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    kwargs = {"compilation_config": {"level": 3, "compile_sizes": [1]}} if args.compile else {}
-    llm = LLM(resolve_model(args.model), dtype=args.dtype, max_model_len=512, enable_prefix_caching=False,
+    kwargs: dict = {"compilation_config": {"level": 3, "compile_sizes": [args.batch]}} if args.compile else {}
+    if args.quantization:
+        kwargs.update(quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
+        if args.quantization == "int8":
+            kwargs["quantization_activations"] = args.quantization_activations
+    path = resolve_model(args.model, "fp32")  # an HF folder (quantized at load, not a GGUF)
+    llm = LLM(path, dtype=args.dtype, max_model_len=512, enable_prefix_caching=False,
               kv_cache_memory_bytes=64 << 20, **kwargs)
+    vocab = AutoConfig.from_pretrained(path).vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": [1]}], params, use_tqdm=False)  # warm
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    prompts = [{"prompt_token_ids": [1 + i]} for i in range(args.batch)]
+    llm.generate(prompts, params, use_tqdm=False)  # warm
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": [2]}], params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [2 + i]} for i in range(args.batch)], params, use_tqdm=False)
         wall = time.perf_counter() - start
     every = [e for e in prof.events() if e.device_type.name == "CPU"]
     events = top_level(every)
     per = 1 / args.tokens
-    linear = sum(e.time_range.elapsed_us() for e in events if any(k in e.name for k in LINEAR_OPS)) / 1e3
+    linear_events = [e for e in events if any(k in e.name for k in LINEAR_OPS)]
+    linear = sum(e.time_range.elapsed_us() for e in linear_events) / 1e3
+    head = sum(e.time_range.elapsed_us() for e in linear_events if _is_lm_head(e, vocab)) / 1e3
     other = sum(e.time_range.elapsed_us() for e in events) / 1e3 - linear
     total = wall * 1e3
-    print(f"{args.model} {args.dtype} compile={args.compile}: {args.tokens} tokens, {total * per:.2f} ms/token (threads={torch.get_num_threads()})")
-    print(f"  linear ops  {linear * per:7.2f} ms/token ({100 * linear / total:4.1f}%)")
-    print(f"  other ops   {other * per:7.2f} ms/token ({100 * other / total:4.1f}%)")
-    print(f"  outside ops {(total - linear - other) * per:7.2f} ms/token ({100 * (total - linear - other) / total:4.1f}%)")
-    print(f"  top-level ops per token: {len(events) / args.tokens:.0f}  (a compiled region counts once)")
+    quant = f" {args.quantization} (activations {args.quantization_activations})" if args.quantization else ""
+    print(f"{args.model} {args.dtype}{quant} compile={args.compile} batch={args.batch}: {args.tokens} steps, "
+          f"{total * per:.2f} ms/step (threads={torch.get_num_threads()})")
+    print(f"  linear ops  {linear * per:7.2f} ms/step ({100 * linear / total:4.1f}%)")
+    print(f"    LM head   {head * per:7.2f} ms/step ({100 * head / total:4.1f}%)")
+    print(f"    layers    {(linear - head) * per:7.2f} ms/step ({100 * (linear - head) / total:4.1f}%)")
+    print(f"  other ops   {other * per:7.2f} ms/step ({100 * other / total:4.1f}%)")
+    linear_ids = {id(e) for e in linear_events}
+    for name in (*CATEGORIES, "the rest"):
+        ms = sum(e.time_range.elapsed_us() for e in events
+                 if id(e) not in linear_ids and category(e.name) == name) / 1e3
+        print(f"    {name:14} {ms * per:7.2f} ms/step ({100 * ms / total:4.1f}%)")
+    print(f"  outside ops {(total - linear - other) * per:7.2f} ms/step ({100 * (total - linear - other) / total:4.1f}%)")
+    print(f"  top-level ops per step: {len(events) / args.tokens:.0f}  (a compiled region counts once)")
     kernels = [e for e in every if e.name.startswith(("pagedserve", "aten::"))]
-    print(f"  op events per token, nested included: {len(kernels) / args.tokens:.0f}")
+    print(f"  op events per step, nested included: {len(kernels) / args.tokens:.0f}")
     by_name: Counter = Counter()
     counts: Counter = Counter()
     for e in events:

@@ -4,6 +4,7 @@
     python benchmarks/gemv_micro.py --quick             # a smoke run
     python benchmarks/gemv_micro.py --threads 1
     python benchmarks/gemv_micro.py --kinds int8-grouped int4-grouped   # the group-wise ops only
+    python benchmarks/gemv_micro.py --kinds int8-q8 --rows 1 8           # int8 x int8 vs weight-only int8
 
 For each (shape, dtype, rows) the old path and the new one are timed alternately in the same
 process (old, new, old, new, ...), each sample a few back-to-back calls, so a neighbour's
@@ -18,6 +19,8 @@ two old paths in turn: the method's torch path (PAGEDSERVE_GEMV=off: int8-groupe
 blocks of rows for F.linear; int4 runs torch's `_weight_int4pack_mm_for_cpu` on bf16 x) and
 the float32 `gemv_dense` on the same weight (what an fp32 model's decode reads: 4 bytes per
 weight against 1.06 / 0.56). "GB/s" is each path's own weight bytes over its time.
+"int8-q8" (group-wise int8 weights x int8 activations, `gemv_int8_q8`) is timed against the
+weight-only group-wise int8 kernel (`gemv_int8_grouped`, float activations) and fp32 `gemv_dense`.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from pagedserve.quantization.int8 import Int8LinearMethod, pack_for_cpp, quantiz
 from pagedserve.quantization.int8_grouped import Int8GroupedLinearMethod, quantize_int8_grouped  # noqa: E402
 from pagedserve.quantization.packed import onednn_packs  # noqa: E402
 
-KINDS = ("float32", "bfloat16", "int8", "int8-grouped", "int4-grouped")
+KINDS = ("float32", "bfloat16", "int8", "int8-grouped", "int4-grouped", "int8-q8")
 # (label, out, in): SmolLM2-135M and the 125M Llama's projections and LM heads.
 SHAPES = [
     ("smollm2 qkv", 960, 576),
@@ -124,11 +127,22 @@ def grouped_olds(kind: str, w: torch.Tensor, x: torch.Tensor) -> tuple[Callable[
 
 def run_grouped(kind: str, label: str, w: torch.Tensor, x: torch.Tensor, pairs: int) -> None:
     n, k = w.shape
-    torch_path, dense32, new, nbytes = grouped_olds(kind, w, x)
+    if kind == "int8-q8":
+        q, scale = quantize_int8_grouped(w, 32)
+        tiles, scales = gemv.pack_int8_grouped(q, scale)
+        quads = gemv.pack_int8_quads(q)
+        tiles32 = gemv.pack_tiles(w)
+        nbytes = n * k + n * k // 32 * 2
+        new: Callable[[], object] = lambda: gemv.int8_q8(x, quads, scales, None)  # noqa: E731
+        olds = (("weight-only", lambda: gemv.int8_grouped(x, tiles, scales, None), nbytes),
+                ("fp32", lambda: gemv.dense(x, tiles32, None), n * k * 4))
+    else:
+        torch_path, dense32, new, nbytes = grouped_olds(kind, w, x)
+        olds = (("torch", torch_path, nbytes), ("fp32", dense32, n * k * 4))
     calls = max(1, int(2e6 // nbytes))
-    for old_name, old, old_bytes in (("torch", torch_path, nbytes), ("fp32", dense32, n * k * 4)):
+    for old_name, old, old_bytes in olds:
         t_old, t_new, ratio = paired(old, new, pairs, calls)
-        print(f"{label:18} {kind + ' vs ' + old_name:22} {x.shape[0]:>4} {t_old * 1e6:>9.1f} {t_new * 1e6:>9.1f} "
+        print(f"{label:18} {kind + ' vs ' + old_name:26} {x.shape[0]:>4} {t_old * 1e6:>9.1f} {t_new * 1e6:>9.1f} "
               f"{old_bytes / t_old / 1e9:>9.1f} {nbytes / t_new / 1e9:>9.1f} {ratio:>6.2f}")
 
 
@@ -157,7 +171,7 @@ def main() -> None:
         for dtype in dtypes:
             for m in rows:
                 x = torch.randn(m, k, generator=g)
-                if dtype in ("int8-grouped", "int4-grouped"):
+                if dtype in ("int8-grouped", "int4-grouped", "int8-q8"):
                     run_grouped(str(dtype), label, w32, x, pairs)
                     continue
                 if dtype == "int8":

@@ -8,6 +8,7 @@
     python benchmarks/latency.py --compile                     # eager vs compiled decode, paired
     python benchmarks/latency.py --models 125m --precisions fp32 --overhead-only --overhead-batch 256
                                                                # engine overhead at 256 sequences
+    python benchmarks/latency.py --models smollm2 --precisions int8 --activations   # int8 x int8 vs weight-only
 
 Per (model, precision), in one process:
   * a read-bandwidth probe (a float32 sum over a 512 MiB buffer, best of 5) run just before,
@@ -71,7 +72,7 @@ PRECISIONS = {  # name -> (dtype, quantization)
 # The tensors one product of a linear layer reads, per method (packed / F.linear / int8 /
 # int4); the GEMV's `gemv_weight` is a second copy of `packed_weight`, not counted twice.
 _READ_TENSORS = ("packed_weight", "weight", "qweight_packed", "qweight", "weight_scale", "scales_zeros",
-                 "qweight_tiles", "scale_tiles", "scales_zeros_tiles")
+                 "qweight_tiles", "qweight_quads", "scale_tiles", "scales_zeros_tiles")
 
 
 # ---- models ------------------------------------------------------------------------------
@@ -277,9 +278,13 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str | None, dict]]:
             config["inductor_compile_config"] = {"cpp_wrapper": True}
         compiled = {"compilation_config": config}
         return [("eager", None, {}), ("compiled", None, compiled)]
+    head = {"quantize_lm_head": True} if args.quantize_lm_head else {}
+    if args.activations:  # group-wise int8: weight-only vs int8 x int8 (gemv_int8_q8)
+        return [("int8 weight-only", None, {"quantization_activations": "none", **head}),
+                ("int8 x int8", None, {"quantization_activations": "int8", **head})]
     if args.compare:
-        return [("gemv off", "off", {}), ("gemv on", None, {})]
-    return [("", None, {})]
+        return [("gemv off", "off", head), ("gemv on", None, head)]
+    return [("", None, head)]
 
 
 def report(label: str, r: dict, roofline: float, batches: list[int]) -> str:
@@ -317,7 +322,7 @@ def run_config(model: str, precision: str, args: argparse.Namespace, print_fn: C
             if compiled is not None:
                 print_fn(f"  {label}: engine built in {time.perf_counter() - start:.1f} s, of which compiling "
                          + ", ".join(f"b{b} {s:.1f} s" for b, s in compiled.compile_seconds.items()))
-            elif extra:
+            elif "compilation_config" in extra:
                 print_fn(f"  {label}: the decode graph did not compile (see the log); it runs eagerly")
     vocab = llms[0].llm_engine.vocab_size
     bandwidth = read_bandwidth()
@@ -343,6 +348,9 @@ def run_config(model: str, precision: str, args: argparse.Namespace, print_fn: C
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=None, help="default: 125m smollm2")
+    parser.add_argument("--activations", action="store_true",
+                        help="int8 only: weight-only vs int8 activations (quantization_activations), paired")
+    parser.add_argument("--quantize-lm-head", action="store_true", help="quantized precisions: the LM head too")
     parser.add_argument("--precisions", nargs="+", default=None, choices=list(PRECISIONS),
                         help="default: all")
     parser.add_argument("--tokens", type=int, default=128, help="batch-1 decode length")

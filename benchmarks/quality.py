@@ -45,6 +45,14 @@ CONFIGS: dict[str, dict] = {
     "fp32": {"dtype": "float32"},
     "bf16": {"dtype": "bfloat16"},
     "int8": {"dtype": "float32", "quantization": "int8"},
+    # group-wise int8 with int8 activations per block of 32 (the default) / weight-only
+    "int8-a8": {"dtype": "float32", "quantization": "int8", "quantization_activations": "int8"},
+    "int8-wo": {"dtype": "float32", "quantization": "int8", "quantization_activations": "none"},
+    # ... and the LM head quantized too (llama.cpp's q8_0 files quantize the output matrix)
+    "int8-a8-head": {"dtype": "float32", "quantization": "int8", "quantization_activations": "int8",
+                     "quantize_lm_head": True},
+    "int8-wo-head": {"dtype": "float32", "quantization": "int8", "quantization_activations": "none",
+                     "quantize_lm_head": True},
     "int8-channel": {"dtype": "float32", "quantization": "int8", "quantization_group_size": -1},
     "int4": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 32},
     "int4-g128": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 128},

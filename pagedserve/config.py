@@ -45,6 +45,7 @@ class ModelConfig:
     quantization: str | None = None
     quantization_group_size: int | None = None  # None: the method's default (32)
     quantize_lm_head: bool = False
+    quantization_activations: str = "auto"  # group-wise int8: "int8" | "none" | "auto" (default)
     # Hub ids: the revision (branch, tag or commit) and the cache folder (default HF_HUB_CACHE).
     revision: str | None = None
     download_dir: str | None = None
@@ -63,7 +64,8 @@ class ModelConfig:
         if self.quantization is None:
             return None
         return QuantizationConfig(
-            self.quantization, self.quantization_group_size, self.quantize_lm_head
+            self.quantization, self.quantization_group_size, self.quantize_lm_head,
+            self.quantization_activations,
         )
 
 

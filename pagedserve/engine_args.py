@@ -169,6 +169,11 @@ class EngineArgs:
         "(one scale per output channel)", vllm="pagedserve only"))
     quantize_lm_head: bool = field(default=False, metadata=_setting(
         "also quantize the LM head (embeddings stay full precision)", vllm="pagedserve only"))
+    quantization_activations: str = field(default="auto", metadata=_setting(
+        "int8 (group-wise) only: int8 rounds each decode step's activations to int8 per block of "
+        "32 (scale absmax / 127, like llama.cpp's q8_0 x q8_0 dot; W8A8 dynamic); none keeps them "
+        "float (weight-only, W8A16); auto: pagedserve's default (none)",
+        choices=("auto", "int8", "none"), vllm="pagedserve only"))
 
     block_size: int = field(default=16, metadata=_setting("tokens per KV cache block"))
     kv_cache_memory_bytes: int | None = field(default=None, metadata=_setting(
@@ -357,6 +362,7 @@ class EngineArgs:
                 quantization=self.quantization,
                 quantization_group_size=self.quantization_group_size,
                 quantize_lm_head=self.quantize_lm_head,
+                quantization_activations=self.quantization_activations,
                 revision=self.revision,
                 download_dir=self.download_dir,
                 generation_config=self.generation_config,

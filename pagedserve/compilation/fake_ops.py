@@ -52,6 +52,10 @@ def _gemv(ns: str) -> None:
     def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _rows_out(x, q.shape[0] * 16, x.dtype)
 
+    @torch.library.register_fake(f"{ns}::gemv_int8_q8")  # quad tiles (out/16, in/4, 16, 4)
+    def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return _rows_out(x, q.shape[0] * 16, x.dtype)
+
     @torch.library.register_fake(f"{ns}::gemv_int4_grouped")
     def _(x: torch.Tensor, q: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _rows_out(x, q.shape[0] * 16, x.dtype)

@@ -42,6 +42,10 @@
 //                      y = sum_g scale * sum_k x q + level0 * sum_k x  (+ bias)
 // Both: x float32 (bf16 widened), float32 products and sums (the weights' values exactly,
 // only the summation order differs from x @ dequantized(W)^T), y rounded once to x's dtype.
+//   gemv_int8_q8       q (N/16, K/4, 16, 4) int8 ("quad tiles"), scale as gemv_int8_grouped:
+//                      x quantized per row and block of 32 to int8 (float32 scale absmax / 127),
+//                      int8 x int8 dot products exact in int32 (llama.cpp's q8_0 x q8_0 on AVX2),
+//                      y = sum_blocks float(dot) * (scale * d_x) (+ bias), rounded to x's dtype.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -66,6 +70,7 @@ constexpr int64_t kMaxRows = 8;    // the op refuses more (larger batches: the G
 
 #if defined(PAGEDSERVE_AVX2)
 
+using pagedserve::hmax8;
 using pagedserve::hsum8;
 using pagedserve::load_bf16x8;
 
@@ -123,6 +128,42 @@ inline void tile_dot(const float* x, int64_t ldx, int64_t pairs, const Load& loa
   }
 }
 
+// bfloat16 tiles: 16 bf16 of a pair (8 channels x 2 k) are 8 32-bit lanes (c k0 | c k1 << 16);
+// a shift left by 16 gives k0's weights as floats and a mask of the low half k1's, so 16
+// weights cost 2 integer ops (the generic loader's zero-extend + shift costs 4) and each
+// accumulator holds one channel's sum: no horizontal adds at the end.
+template <int MT, int U>
+inline void tile_dot_bf16(const float* x, int64_t ldx, int64_t pairs, const uint16_t* w, float* out) {
+  __m256 acc[U][MT][4];
+  for (int u = 0; u < U; ++u)
+    for (int i = 0; i < MT; ++i)
+      for (int v = 0; v < 4; ++v) acc[u][i][v] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  auto step = [&](int u, int64_t p) {
+    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
+    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(b0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(b0, high));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(b1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(b1, high));
+    for (int i = 0; i < MT; ++i) {
+      const __m256 xe = _mm256_broadcast_ss(x + i * ldx + 2 * p), xo = _mm256_broadcast_ss(x + i * ldx + 2 * p + 1);
+      acc[u][i][0] = _mm256_fmadd_ps(e0, xe, acc[u][i][0]);
+      acc[u][i][1] = _mm256_fmadd_ps(o0, xo, acc[u][i][1]);
+      acc[u][i][2] = _mm256_fmadd_ps(e1, xe, acc[u][i][2]);
+      acc[u][i][3] = _mm256_fmadd_ps(o1, xo, acc[u][i][3]);
+    }
+  };
+  int64_t p = 0;
+  for (; p + U <= pairs; p += U)
+    for (int u = 0; u < U; ++u) step(u, p + u);
+  for (; p < pairs; ++p) step(0, p);
+  for (int i = 0; i < MT; ++i) {
+    for (int v = 0; v < 4; ++v)
+      for (int u = 1; u < U; ++u) acc[0][i][v] = _mm256_add_ps(acc[0][i][v], acc[u][i][v]);
+    _mm256_storeu_ps(out + i * kTile, _mm256_add_ps(acc[0][i][0], acc[0][i][1]));
+    _mm256_storeu_ps(out + i * kTile + 8, _mm256_add_ps(acc[0][i][2], acc[0][i][3]));
+  }
+}
+
 // All M rows times tile `t`: sums[m * 16 + j] for channels 16 t + j.
 template <class Load>
 inline void tile_all_rows(const float* x, int64_t M, int64_t K, const Load& load, float* sums) {
@@ -132,6 +173,14 @@ inline void tile_all_rows(const float* x, int64_t M, int64_t K, const Load& load
   for (; m + 3 <= M; m += 3) tile_dot<3, 1>(x + m * K, K, pairs, load, sums + m * kTile);
   if (M - m == 2) tile_dot<2, 1>(x + m * K, K, pairs, load, sums + m * kTile);
   if (M - m == 1) tile_dot<1, 2>(x + m * K, K, pairs, load, sums + m * kTile);
+}
+inline void tile_all_rows(const float* x, int64_t M, int64_t K, const LoadBF16& load, float* sums) {
+  const int64_t pairs = K / 2;
+  if (M == 1) return tile_dot_bf16<1, 2>(x, K, pairs, load.w, sums);
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) tile_dot_bf16<3, 1>(x + m * K, K, pairs, load.w, sums + m * kTile);
+  if (M - m == 2) tile_dot_bf16<2, 1>(x + m * K, K, pairs, load.w, sums + m * kTile);
+  if (M - m == 1) tile_dot_bf16<1, 2>(x + m * K, K, pairs, load.w, sums + m * kTile);
 }
 
 // Runs `body(t, sums)` for every tile, tiles split across threads in contiguous ranges
@@ -355,6 +404,107 @@ void int4_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tens
   });
 }
 
+// ---- group-wise int8 weights x int8 activations ("quad tiles", llama.cpp's q8_0 x q8_0) ----
+//
+// Each row of x is quantized per block of 32 columns (llama.cpp's quantize_row_q8_0, but the
+// block scale stays float32): d = absmax / 127, xq = round_half_even(x * (1 / d)) in
+// [-127, 127]. Weights in quad tiles, 16 channels x 4 consecutive k per 64 bytes:
+//     q (N/16, K/4, 16, 4) int8:  q[t, c, j, e] = Q[16 t + j, 4 c + e]
+// so a 32-byte vector is 8 channels x 4 k, and with x's 4 bytes at k broadcast to every
+// lane, _mm256_maddubs_epi16 + _mm256_madd_epi16 give each channel's 4-k dot product in its
+// own int32 lane (no horizontal sums). maddubs takes unsigned x signed bytes: |w| and x
+// carrying w's sign (llama.cpp's _mm256_sign_epi8 trick); both stay in [-127, 127], so a pair
+// sum (<= 2 * 127 * 127) never saturates int16: the block's dot product is exact in int32.
+// Per block of 32 k and row: y += float(dot) * (scale_w * d_x), one float FMA per 8 channels.
+// |w| is computed once per weight vector and shared by all rows of the call.
+
+// Per row m: xq (M, K) int8 and dx (M, K/32) float32.
+void quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx) {
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* src = x + m * K + b * 32;
+      __m256 v[4], amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(src + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
+      }
+      const float d = hmax8(amax) / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      dx[m * (K / 32) + b] = d;
+      const __m256 idv = _mm256_set1_ps(id);
+      __m256i r[4];
+      for (int i = 0; i < 4; ++i)
+        r[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      // pack 32 int32 -> 32 int8 in order (packs work per 128-bit lane; permute restores it)
+      const __m256i p01 = _mm256_packs_epi32(r[0], r[1]), p23 = _mm256_packs_epi32(r[2], r[3]);
+      const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23),
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * 32), p);
+    }
+}
+
+// MT rows (xq rows K apart, dx rows K/32 apart) times tile t: tot[i * 16 + j] += sum over
+// blocks of float(dot) * scale[g, j] * dx[i, block].
+template <int MT>
+inline void q8_tile_rows(const int8_t* xq, const float* dx, int64_t K, int64_t group, const int8_t* qt,
+                         const c10::Half* st, float* tot) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t blocks_per_group = group / 32;
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256i acc[MT][2];
+    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+    const int8_t* wb = qt + b * 32 * kTile;  // 8 quads x 64 bytes
+    for (int c = 0; c < 8; ++c) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64 + 32));
+      const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);  // |w|
+      for (int i = 0; i < MT; ++i) {
+        int32_t quad;
+        std::memcpy(&quad, xq + i * K + b * 32 + c * 4, 4);
+        const __m256i xb = _mm256_set1_epi32(quad);
+        const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0));
+        const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1));
+        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(p0, ones));
+        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(p1, ones));
+      }
+    }
+    const c10::Half* sg = st + (b / blocks_per_group) * kTile;
+    const __m256 s0 = load_half8(sg), s1 = load_half8(sg + 8);
+    for (int i = 0; i < MT; ++i) {
+      const __m256 d = _mm256_set1_ps(dx[i * (K / 32) + b]);
+      float* o = tot + i * kTile;
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][0]), _mm256_mul_ps(s0, d), _mm256_loadu_ps(o)));
+      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][1]), _mm256_mul_ps(s1, d), _mm256_loadu_ps(o + 8)));
+    }
+  }
+}
+
+void int8_q8_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& scale, const float* bias,
+                  at::Tensor& y) {
+  const int64_t M = xf.size(0), K = xf.size(1), tiles = q.size(0), N = tiles * kTile;
+  const int64_t groups = scale.size(1), group = K / groups;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * (K / 32));
+  quantize_rows_q8(xf.data_ptr<float>(), M, K, xq.data(), dx.data());
+  const int8_t* qd = q.data_ptr<int8_t>();
+  const auto* sd = reinterpret_cast<const c10::Half*>(scale.data_ptr());
+  const TileOut out(y, bias, N);
+  const int64_t nb = K / 32;
+  for_tiles(tiles, K * kTile, M, [&](int64_t t, float* tot) {
+    std::fill(tot, tot + M * kTile, 0.0f);
+    const int8_t* qt = qd + t * K * kTile;
+    const c10::Half* st = sd + t * groups * kTile;
+    // Row blocks of at most 4 (8 int32 accumulators + 4 weight vectors in 16 registers).
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) q8_tile_rows<4>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile);
+    if (M - m == 3) q8_tile_rows<3>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile);
+    if (M - m == 2) q8_tile_rows<2>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile);
+    if (M - m == 1) q8_tile_rows<1>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile);
+    out.store(tot, M, t);
+  });
+}
+
 #endif  // PAGEDSERVE_AVX2
 
 // x (..., K) as a contiguous (M, K) matrix (a view when it already is one): the reshape
@@ -474,6 +624,30 @@ at::Tensor gemv_int8_grouped(const at::Tensor& x_in, const at::Tensor& q, const 
   return y;
 }
 
+at::Tensor gemv_int8_q8(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& bias) {
+  const at::Tensor x = rows_view(x_in, "gemv_int8_q8");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "gemv_int8_q8: x must be float32 or bfloat16");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 4 && q.is_contiguous() && q.size(1) * 4 == x.size(1) &&
+                  q.size(2) == kTile && q.size(3) == 4,
+              "gemv_int8_q8: q must be contiguous int8 quad tiles (N/16, K/4, 16, 4) with K = x.size(-1)");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.is_contiguous() &&
+                  scale.size(0) == q.size(0) && scale.size(2) == kTile && scale.size(1) > 0 &&
+                  x.size(1) % scale.size(1) == 0 && (x.size(1) / scale.size(1)) % 32 == 0,
+              "gemv_int8_q8: scale must be contiguous (N/16, K/group, 16) float16 with group a multiple of 32");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == q.size(0) * kTile, "gemv_int8_q8: bias must have N elements");
+  at::Tensor y = at::empty(out_shape(x_in, q.size(0) * kTile), x.options());
+#if defined(PAGEDSERVE_AVX2)
+  if (x.size(0) == 0) return y;
+  at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  int8_q8_impl(x_as_float(x, false).contiguous(), q, scale, bf.defined() ? bf.data_ptr<float>() : nullptr, y);
+#else
+  TORCH_CHECK(false, "gemv_int8_q8: this build has no AVX2/FMA support");
+#endif
+  return y;
+}
+
 at::Tensor gemv_int4_grouped(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales_zeros,
                              const c10::optional<at::Tensor>& bias) {
   const at::Tensor x = rows_view(x_in, "gemv_int4_grouped");
@@ -516,10 +690,12 @@ TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
   m.def("gemv_int8(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
   m.def("gemv_int8_grouped(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
   m.def("gemv_int4_grouped(Tensor x, Tensor q, Tensor scales_zeros, Tensor? bias) -> Tensor");
+  m.def("gemv_int8_q8(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
   m.def("available() -> bool", &available);
   m.def("max_rows() -> int", &max_rows);
   m.impl("gemv_dense", c10::DispatchKey::CPU, &gemv_dense);
   m.impl("gemv_int8", c10::DispatchKey::CPU, &gemv_int8);
   m.impl("gemv_int8_grouped", c10::DispatchKey::CPU, &gemv_int8_grouped);
   m.impl("gemv_int4_grouped", c10::DispatchKey::CPU, &gemv_int4_grouped);
+  m.impl("gemv_int8_q8", c10::DispatchKey::CPU, &gemv_int8_q8);
 }

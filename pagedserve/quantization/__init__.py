@@ -28,6 +28,11 @@ GROUP_SIZES = (32, 64, 128, 256)
 PER_CHANNEL = -1  # int8 only: one scale per output channel
 # group_size None picks these; BENCHMARKS.md ("Real-text quality") shows why int8 uses 32.
 DEFAULT_GROUP_SIZES = {"int8": 32, "int4": 32, "gguf": 32}  # gguf: the file's blocks of 32
+ACTIVATIONS = ("auto", "int8", "none")
+# What "auto" means for group-wise int8. Weight-only until the 50k-token quality run of int8
+# activations (benchmarks/quality.py, configs int8-a8 vs fp32) shows perplexity within +0.5%
+# of fp32's (issue 18's bound); "int8" reads the weights ~2x faster at batch 1 on AVX2.
+DEFAULT_INT8_ACTIVATIONS = "none"
 
 
 @dataclass(frozen=True)
@@ -42,11 +47,16 @@ class QuantizationConfig:
             scale per output channel). None: the method's default (32 for both).
         quantize_lm_head: also quantize the LM head (embeddings always stay full precision;
             a tied head gets its own quantized copy).
+        activations: group-wise int8 only: "int8" rounds a decode step's activations to
+            int8 per block of 32 (the `gemv_int8_q8` kernel; W8A8 dynamic), "none" keeps them
+            float (weight-only); "auto": DEFAULT_INT8_ACTIVATIONS. Prefill steps round x the
+            same way before their GEMM; layers the kernel cannot take stay weight-only.
     """
 
     method: str
     group_size: int | None = None
     quantize_lm_head: bool = False
+    activations: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
@@ -60,6 +70,11 @@ class QuantizationConfig:
         if self.method == "gguf" and self.quantize_lm_head:
             raise ValueError("quantize_lm_head applies to quantization='int8' or 'int4', not 'gguf' "
                              "(the LM head is loaded dequantized)")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"quantization_activations must be one of {', '.join(ACTIVATIONS)}, "
+                             f"got {self.activations!r}")
+        if self.activations == "int8" and (self.method != "int8" or self.group_size == PER_CHANNEL):
+            raise ValueError("quantization_activations='int8' applies to group-wise quantization='int8' only")
         allowed = GROUP_SIZES + ((PER_CHANNEL,) if self.method == "int8" else ())
         if self.group_size is not None and self.group_size not in allowed:
             raise ValueError(
@@ -83,7 +98,8 @@ class QuantizationConfig:
         if self.method == "int8":
             from pagedserve.quantization.int8_grouped import Int8GroupedLinearMethod
 
-            return Int8GroupedLinearMethod(group)
+            activations = DEFAULT_INT8_ACTIVATIONS if self.activations == "auto" else self.activations
+            return Int8GroupedLinearMethod(group, activations=activations)
         from pagedserve.quantization.int4 import Int4LinearMethod
 
         return Int4LinearMethod(group)

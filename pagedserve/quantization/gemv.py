@@ -143,6 +143,49 @@ def int8_grouped(
     return _ops().gemv_int8_grouped(x, tiles, scales, bias)
 
 
+def pack_int8_quads(q: torch.Tensor) -> torch.Tensor:
+    """q (out, in) int8 -> quad tiles (out/16, in/4, 16, 4), the layout of `int8_q8`: 16
+    channels x 4 consecutive input columns per 64 bytes (its scales: `pack_int8_grouped`'s)."""
+    out_features, in_features = q.shape
+    return q.view(out_features // TILE, TILE, in_features // 4, 4).transpose(1, 2).contiguous()
+
+
+def unpack_int8_quads(tiles: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_int8_quads`: q (out, in)."""
+    num_tiles, quads = tiles.shape[:2]
+    return tiles.transpose(1, 2).reshape(num_tiles * TILE, quads * 4)
+
+
+def int8_q8(
+    x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (..., in) float32/bf16 -> y (..., out) in x.dtype with x quantized per row and block
+    of 32 columns to int8 (scale absmax / 127, as llama.cpp's q8_0), exact int8 x int8 block
+    dot products, then y = sum_blocks dot * scale_w * scale_x (+ b); at most MAX_ROWS rows.
+    `quantize_rows_q8` is the same activation rounding in torch."""
+    return _ops().gemv_int8_q8(x, tiles, scales, bias)
+
+
+def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation rounding of `int8_q8`, in torch: x (M, K) float -> (xq (M, K) int8,
+    d (M, K/32) float32), x ~= xq * d per block of 32; d = absmax / 127, xq = round-half-even
+    of x * (1 / d) (0 for an all-zero block)."""
+    blocks = x.float().reshape(x.shape[0], x.shape[1] // 32, 32)
+    d = blocks.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d != 0, torch.ones_like(d) / d, torch.zeros_like(d))
+    xq = torch.round(blocks * inv[..., None]).to(torch.int8)
+    return xq.reshape(x.shape), d
+
+
+def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x (..., in) rounded as `int8_q8` rounds it (per row, blocks of 32), back in x.dtype: what
+    the GEMM path multiplies when a layer's activations are int8, so that a prefill of many
+    rows computes the function a decode step does."""
+    flat = x.reshape(-1, x.shape[-1])
+    xq, d = quantize_rows_q8(flat)
+    return (xq.float().view(flat.shape[0], flat.shape[1] // 32, 32) * d[..., None]).reshape(x.shape).to(x.dtype)
+
+
 def pack_int4_grouped(
     q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

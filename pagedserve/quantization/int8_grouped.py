@@ -17,6 +17,13 @@ summation order differs, and for a bf16 model the torch path rounds q * scale to
     `gemv_int8_grouped`): the weight streams once at 1 byte + 1/16 per weight, the products
     and sums in float32, the result rounded once to x's dtype; up to 32 rows, 8 at a time.
     The layer then keeps its weights only as the kernel's channel tiles (no second copy);
+  * with int8 activations (`activations="int8"`, QuantizationConfig.activations), the same
+    row counts run `gemv_int8_q8` instead: x rounded to int8 per block of 32 (llama.cpp's
+    q8_0 activations), exact int8 x int8 block dot products, one float multiply-add per block
+    (about half the AVX2 instructions per weight of converting every weight to float); the
+    layer then keeps its weights as the kernel's quad tiles (`gemv.pack_int8_quads`), and
+    the GEMM path below (prefill; PAGEDSERVE_GEMV=off) multiplies x rounded the same way
+    (`gemv.q8_round_trip`), so every row count computes one function;
   * more rows, or no kernel (PAGEDSERVE_GEMV=off, out % 16 != 0): y = x @ (q * scale)^T in
     the activation dtype (float32 for a float32 model: the weights are the only thing
     rounded), one block of output rows at a time (the block's dequantized copy, ~4 MiB,
@@ -36,6 +43,7 @@ from pagedserve.quantization.base import LinearMethod, add_bias
 
 SCALE_DTYPE = torch.float16
 GROUP_SIZES = (32, 64, 128, 256)
+ACTIVATIONS = ("int8", "none")  # int8: rounded per block of 32 in decode steps; none: weight-only
 _BLOCK_ELEMS = 1 << 20  # dequantized weights per block of output rows
 
 
@@ -64,6 +72,9 @@ class Int8GroupedLinearMethod(LinearMethod):
     Layer tensors after `process_weights_after_loading` (or `set_quantized`):
         qweight_tiles  (out/16, in, 16) int8          where the GEMV kernel takes the layer
         scale_tiles    (out/16, in / group, 16) float16
+    or, with int8 activations, where the kernel takes the layer
+        qweight_quads  (out/16, in/4, 16, 4) int8
+        scale_tiles    (out/16, in / group, 16) float16
     or else
         qweight        (out, in) int8
         weight_scale   (out, in / group) float16
@@ -71,11 +82,14 @@ class Int8GroupedLinearMethod(LinearMethod):
 
     name = "int8-grouped"
 
-    def __init__(self, group_size: int = 32, gemv: bool = True) -> None:
+    def __init__(self, group_size: int = 32, gemv: bool = True, activations: str = "none") -> None:
         if group_size not in GROUP_SIZES:
             raise ValueError(f"int8 group size must be one of {GROUP_SIZES}, got {group_size}")
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"int8 activations must be one of {ACTIVATIONS}, got {activations!r}")
         self.group_size = group_size
         self.gemv = gemv  # False: the torch path at every batch size (benchmarks compare)
+        self.activations = activations
 
     def supports(self, layer: nn.Module) -> bool:
         return layer.input_size % self.group_size == 0
@@ -91,6 +105,11 @@ class Int8GroupedLinearMethod(LinearMethod):
         scale = scale.to(SCALE_DTYPE)
         if self.gemv and gemv.takes_grouped(q):
             tiles, scales = gemv.pack_int8_grouped(q, scale)
+            if self.activations == "int8":
+                # The scales' layout is the same; only q is regrouped (4 k per channel).
+                layer.register_buffer("qweight_quads", gemv.pack_int8_quads(q))
+                layer.register_buffer("scale_tiles", scales)
+                return
             layer.register_buffer("qweight_tiles", tiles)
             layer.register_buffer("scale_tiles", scales)
             return
@@ -100,6 +119,8 @@ class Int8GroupedLinearMethod(LinearMethod):
     def weight_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
         if hasattr(layer, "qweight_tiles"):
             return [layer.qweight_tiles, layer.scale_tiles]
+        if hasattr(layer, "qweight_quads"):
+            return [layer.qweight_quads, layer.scale_tiles]
         return [layer.qweight, layer.weight_scale]
 
     def int_weight(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +128,11 @@ class Int8GroupedLinearMethod(LinearMethod):
         keeps (copies if tiled)."""
         if hasattr(layer, "qweight_tiles"):
             return gemv.unpack_int8_grouped(layer.qweight_tiles, layer.scale_tiles)
+        if hasattr(layer, "qweight_quads"):
+            tiles = layer.qweight_quads
+            num_tiles = tiles.shape[0]
+            scale = layer.scale_tiles.transpose(1, 2).reshape(num_tiles * gemv.TILE, -1)
+            return gemv.unpack_int8_quads(tiles), scale
         return layer.qweight, layer.weight_scale
 
     def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -114,13 +140,18 @@ class Int8GroupedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         tiles = getattr(layer, "qweight_tiles", None)
+        op = gemv.int8_grouped
+        if tiles is None:
+            tiles, op = getattr(layer, "qweight_quads", None), gemv.int8_q8
         if tiles is not None and x.dtype in gemv.X_DTYPES:
             rows, bias = gemv.rows_of(x), getattr(layer, "bias", None)
             if rows <= gemv.MAX_ROWS:  # a decode step: one op, x as it is
-                return gemv.int8_grouped(x, tiles, layer.scale_tiles, bias)
+                return op(x, tiles, layer.scale_tiles, bias)
             if rows <= gemv.GROUPED_MAX_ROWS:
-                return gemv.in_chunks(gemv.int8_grouped, x, tiles, layer.scale_tiles, bias)
+                return gemv.in_chunks(op, x, tiles, layer.scale_tiles, bias)
         x2 = x.reshape(-1, x.shape[-1])
+        if self.activations == "int8":  # the kernel's rounding: one function at every row count
+            x2 = gemv.q8_round_trip(x2)
         blocks = _tile_blocks(layer, x.dtype) if tiles is not None else _row_blocks(layer, x.dtype)
         parts = [F.linear(x2, w) for w in blocks]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -138,12 +169,15 @@ def _row_blocks(layer: nn.Module, dtype: torch.dtype) -> Iterator[torch.Tensor]:
 def _tile_blocks(layer: nn.Module, dtype: torch.dtype) -> Iterator[torch.Tensor]:
     """The same from channel tiles: (16 T, in) per block of T tiles; the conversion to float
     writes (T, 16, in) order, so the multiply by the scales is the only other pass."""
-    tiles, scales = layer.qweight_tiles, layer.scale_tiles
-    num_tiles, in_features, tile = tiles.shape
-    groups = scales.shape[1]
+    scales = layer.scale_tiles
+    num_tiles, groups, tile = scales.shape
+    quads = getattr(layer, "qweight_quads", None)
+    tiles = quads if quads is not None else layer.qweight_tiles
+    in_features = tiles.shape[1] * (4 if quads is not None else 1)
     step = max(1, _BLOCK_ELEMS // (in_features * tile))
     for t in range(0, num_tiles, step):
         q = tiles[t : t + step].transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        q = q.view(q.shape[0], tile, in_features)  # quads (T, 16, in/4, 4) -> (T, 16, in)
         s = scales[t : t + step].transpose(1, 2).float()  # (T, 16, G)
         w = q.view(q.shape[0], tile, groups, in_features // groups) * s[..., None]
         yield w.view(-1, in_features).to(dtype)
