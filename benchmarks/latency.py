@@ -6,6 +6,8 @@
     python benchmarks/latency.py --models smollm2 --precisions fp32 int8 int4 gguf --compare
     python benchmarks/latency.py --compare                     # GEMV kernel off vs on, paired
     python benchmarks/latency.py --compile                     # eager vs compiled decode, paired
+    python benchmarks/latency.py --models smollm2 --precisions int8 --compile --activations --quantize-lm-head
+                                                               # the fastest int8 set-up, eager vs compiled
     python benchmarks/latency.py --models 125m --precisions fp32 --overhead-only --overhead-batch 256
                                                                # engine overhead at 256 sequences
     python benchmarks/latency.py --models smollm2 --precisions int8 --activations   # int8 x int8 vs weight-only
@@ -272,13 +274,14 @@ def build(path: str, precision: str, args: argparse.Namespace, **extra: object) 
 
 def variants(args: argparse.Namespace) -> list[tuple[str, str | None, dict]]:
     """(label, PAGEDSERVE_GEMV value, extra LLM kwargs) of the engines compared."""
+    head = {"quantize_lm_head": True} if args.quantize_lm_head else {}
     if args.compile:
         config: dict = {"level": 3, "compile_sizes": sorted(set(args.batches) | {1})}
         if args.cpp_wrapper:
             config["inductor_compile_config"] = {"cpp_wrapper": True}
-        compiled = {"compilation_config": config}
-        return [("eager", None, {}), ("compiled", None, compiled)]
-    head = {"quantize_lm_head": True} if args.quantize_lm_head else {}
+        # With --activations both engines run int8 x int8 (the fastest int8 configuration).
+        base = {**head, **({"quantization_activations": "int8"} if args.activations else {})}
+        return [("eager", None, base), ("compiled", None, {**base, "compilation_config": config})]
     if args.activations:  # group-wise int8: weight-only vs int8 x int8 (gemv_int8_q8)
         return [("int8 weight-only", None, {"quantization_activations": "none", **head}),
                 ("int8 x int8", None, {"quantization_activations": "int8", **head})]
