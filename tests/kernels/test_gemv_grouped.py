@@ -11,11 +11,10 @@ logprobs within float32 noise.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
+from gemv_cases import BF16_ULP, BareLinear, gen, group_for, weights, with_op_cases
 from torch import nn
 
 from pagedserve import LLM, SamplingParams
@@ -28,20 +27,6 @@ from pagedserve.quantization.int8_grouped import (
 )
 
 pytestmark = pytest.mark.skipif(gemv.gemv_ops() is None, reason="GEMV kernel unavailable (no AVX2/FMA or no compiler)")
-
-BF16_ULP = 2.0**-7
-SHAPES = [(48, 64), (96, 256), (32, 384)]  # (out, in); 384 = 3 groups of 128
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _weights(n: int, k: int, seed: int) -> torch.Tensor:
-    w = torch.randn(n, k, generator=_gen(seed)) / math.sqrt(k)
-    w[1] = 0.0  # an all-zero channel
-    w[2, 5] = 30 * w.abs().max()  # an outlier in one group
-    return w
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, dq: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -56,15 +41,15 @@ def _check(got: torch.Tensor, x: torch.Tensor, dq: torch.Tensor, bias: torch.Ten
 
 
 def test_channel_tiles_round_trip_and_layout() -> None:
-    q = torch.randint(-127, 128, (32, 64), dtype=torch.int8, generator=_gen(0))
-    scale = torch.rand(32, 2, generator=_gen(1)).half()
+    q = torch.randint(-127, 128, (32, 64), dtype=torch.int8, generator=gen(0))
+    scale = torch.rand(32, 2, generator=gen(1)).half()
     tiles, scales = gemv.pack_int8_grouped(q, scale)
     assert tiles.shape == (2, 64, 16) and scales.shape == (2, 2, 16)
     assert tiles[1, 40, 3] == q[16 + 3, 40] and scales[1, 1, 3] == scale[19, 1]
     back_q, back_scale = gemv.unpack_int8_grouped(tiles, scales)
     assert torch.equal(back_q, q) and torch.equal(back_scale, scale)
-    q4 = torch.randint(0, 16, (32, 64), dtype=torch.uint8, generator=_gen(2))
-    s4, z4 = torch.rand(2, 32, generator=_gen(3)).bfloat16(), torch.randn(2, 32, generator=_gen(4)).bfloat16()
+    q4 = torch.randint(0, 16, (32, 64), dtype=torch.uint8, generator=gen(2))
+    s4, z4 = torch.rand(2, 32, generator=gen(3)).bfloat16(), torch.randn(2, 32, generator=gen(4)).bfloat16()
     tiles4, sz = gemv.pack_int4_grouped(q4, s4, z4)
     assert tiles4.shape == (2, 64, 8) and sz.shape == (2, 2, 2, 16)
     assert tiles4[1, 40, 3] == q4[19, 40] | (q4[27, 40] << 4)
@@ -73,34 +58,26 @@ def test_channel_tiles_round_trip_and_layout() -> None:
     assert all(torch.equal(a, b) for a, b in zip(back, (q4, s4, z4), strict=True))
 
 
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8])
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("with_bias", [False, True])
+@with_op_cases
 def test_int8_grouped_op_equals_dequantized_reference(
     x_dtype: torch.dtype, rows: int, shape: tuple[int, int], with_bias: bool
 ) -> None:
-    n, k = shape
-    group = 128 if k % 128 == 0 and n == 32 else 32
-    q, scale = quantize_int8_grouped(_weights(n, k, rows + n), group)
-    x = torch.randn(rows, k, generator=_gen(rows)).to(x_dtype)
-    bias = torch.randn(n, generator=_gen(7)) if with_bias else None
+    (n, k), group = shape, group_for(shape)
+    q, scale = quantize_int8_grouped(weights(n, k, rows + n), group)
+    x = torch.randn(rows, k, generator=gen(rows)).to(x_dtype)
+    bias = torch.randn(n, generator=gen(7)) if with_bias else None
     got = gemv.int8_grouped(x, *gemv.pack_int8_grouped(q, scale), bias)
     _check(got, x, dequantize_int8_grouped(q, scale), bias)
 
 
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8])
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("with_bias", [False, True])
+@with_op_cases
 def test_int4_grouped_op_equals_dequantized_reference(
     x_dtype: torch.dtype, rows: int, shape: tuple[int, int], with_bias: bool
 ) -> None:
-    n, k = shape
-    group = 128 if k % 128 == 0 and n == 32 else 32
-    q, scale, zero = quantize_int4(_weights(n, k, rows + n), group)
-    x = torch.randn(rows, k, generator=_gen(rows)).to(x_dtype)
-    bias = torch.randn(n, generator=_gen(7)) if with_bias else None
+    (n, k), group = shape, group_for(shape)
+    q, scale, zero = quantize_int4(weights(n, k, rows + n), group)
+    x = torch.randn(rows, k, generator=gen(rows)).to(x_dtype)
+    bias = torch.randn(n, generator=gen(7)) if with_bias else None
     got = gemv.int4_grouped(x, *gemv.pack_int4_grouped(q, scale, zero), bias)
     _check(got, x, dequantize_int4(q, scale, zero, group), bias)
 
@@ -109,10 +86,10 @@ def test_int4_grouped_op_equals_dequantized_reference(
 def test_int4_op_takes_ggufs_float16_d_and_m(rows: int) -> None:
     """float16 parameters mean GGUF's W = q * d + m (Q4_1 as stored), not (q - 8) * s + z."""
     n, k = 48, 128
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=_gen(rows))
-    d = (torch.rand(k // 32, n, generator=_gen(1)) * 0.01).half()
-    m = (torch.randn(k // 32, n, generator=_gen(2)) * 0.05).half()
-    x = torch.randn(rows, k, generator=_gen(3))
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen(rows))
+    d = (torch.rand(k // 32, n, generator=gen(1)) * 0.01).half()
+    m = (torch.randn(k // 32, n, generator=gen(2)) * 0.05).half()
+    x = torch.randn(rows, k, generator=gen(3))
     dq = q.float() * d.float().t().repeat_interleave(32, 1) + m.float().t().repeat_interleave(32, 1)
     _check(gemv.int4_grouped(x, *gemv.pack_int4_grouped(q, d, m), None), x, dq, None)
     with pytest.raises(ValueError, match="both"):
@@ -134,22 +111,14 @@ def test_grouped_ops_refuse_bad_input() -> None:
         gemv.int4_grouped(torch.randn(1, 64), tiles4, torch.zeros(1, 4, 2, 16, dtype=torch.bfloat16), None)
 
 
-class _Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.output_size, self.input_size = weight.shape
-        self.weight = nn.Parameter(weight.clone(), requires_grad=False)
-        self.bias = bias
-
-
 @pytest.mark.parametrize("method_name", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 32, 33, 100])
 def test_methods_keep_one_tiled_copy_and_match_the_reference(method_name: str, rows: int, monkeypatch) -> None:
     """<= 8 rows: one kernel call; 9..32: 8 rows per call; more: the GEMM on weights
     dequantized from the tiles. The layer holds only the tiles (no second copy); with
     PAGEDSERVE_GEMV=off the same method keeps the untiled layout and gives the same values."""
-    w, bias = _weights(96, 256, 0), torch.randn(96, generator=_gen(1))
-    layer = _Linear(w, bias)
+    w, bias = weights(96, 256, 0), torch.randn(96, generator=gen(1))
+    layer = BareLinear(w, bias)
     method = Int8GroupedLinearMethod(32) if method_name == "int8" else Int4LinearMethod(32)
     method.process_weights_after_loading(layer)
     buffers = {name for name, _ in layer.named_buffers()}
@@ -163,7 +132,7 @@ def test_methods_keep_one_tiled_copy_and_match_the_reference(method_name: str, r
         dq = dequantize_int4(q, scale, zero, 32)
         assert method.weight_bytes(layer) == 96 * 128 + 96 * 8 * 2 * 2
     assert torch.equal(method.dequantized_weight(layer), dq)
-    x = torch.randn(rows, 256, generator=_gen(rows))
+    x = torch.randn(rows, 256, generator=gen(rows))
     got = method.apply(layer, x)
     _check(got, x, dq, bias)
     if rows <= gemv.MAX_ROWS:  # the kernel itself gave it
@@ -171,7 +140,7 @@ def test_methods_keep_one_tiled_copy_and_match_the_reference(method_name: str, r
         op = gemv.int8_grouped if method_name == "int8" else gemv.int4_grouped
         assert torch.equal(got, op(x, *tensors, bias))
     monkeypatch.setenv("PAGEDSERVE_GEMV", "off")
-    off = _Linear(w, bias)
+    off = BareLinear(w, bias)
     method.process_weights_after_loading(off)
     assert not hasattr(off, "qweight_tiles")
 
@@ -181,12 +150,12 @@ def test_methods_keep_one_tiled_copy_and_match_the_reference(method_name: str, r
 def test_half_precision_models_keep_their_output_dtype(method_name: str, dtype: torch.dtype) -> None:
     """bf16 x goes through the kernel; float16 x (which it does not take) through the torch
     path on the same tiles."""
-    layer = _Linear(_weights(64, 128, 2).to(dtype), torch.randn(64).to(dtype))
+    layer = BareLinear(weights(64, 128, 2).to(dtype), torch.randn(64).to(dtype))
     method = Int8GroupedLinearMethod(32) if method_name == "int8" else Int4LinearMethod(32)
     method.process_weights_after_loading(layer)
     assert hasattr(layer, "qweight_tiles")
     for rows in (1, 12, 40):
-        x = torch.randn(rows, 128, generator=_gen(rows)).to(dtype)
+        x = torch.randn(rows, 128, generator=gen(rows)).to(dtype)
         got = method.apply(layer, x)
         assert got.dtype == dtype and got.shape == (rows, 64)
         want = F.linear(x.float(), method.dequantized_weight(layer), layer.bias.float())

@@ -13,11 +13,10 @@ its int8 round trip and every linear input (LM head excepted) by its q8 round tr
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
+from gemv_cases import BF16_ULP, BareLinear, gen, group_for, weights, with_op_cases
 from torch import nn
 
 from pagedserve import LLM, SamplingParams
@@ -30,23 +29,9 @@ from pagedserve.quantization.int8_grouped import (
 
 pytestmark = pytest.mark.skipif(gemv.gemv_ops() is None, reason="GEMV kernel unavailable (no AVX2/FMA or no compiler)")
 
-BF16_ULP = 2.0**-7
-SHAPES = [(48, 64), (96, 256), (32, 384)]  # (out, in); 384 = 3 groups of 128
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _weights(n: int, k: int, seed: int) -> torch.Tensor:
-    w = torch.randn(n, k, generator=_gen(seed)) / math.sqrt(k)
-    w[1] = 0.0  # an all-zero channel
-    w[2, 5] = 30 * w.abs().max()  # an outlier in one group
-    return w
-
 
 def _activations(rows: int, k: int, seed: int) -> torch.Tensor:
-    x = torch.randn(rows, k, generator=_gen(seed))
+    x = torch.randn(rows, k, generator=gen(seed))
     if rows > 1:
         x[1, :32] = 0.0  # an all-zero block: scale 0, xq 0
     if rows > 2:  # scale exactly 1 and ties at .5: round half to even (2.5 -> 2, -3.5 -> -4)
@@ -80,7 +65,7 @@ def _check(got: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scale: torch.Ten
 
 
 def test_quad_tiles_round_trip_and_layout() -> None:
-    q = torch.randint(-127, 128, (32, 64), dtype=torch.int8, generator=_gen(0))
+    q = torch.randint(-127, 128, (32, 64), dtype=torch.int8, generator=gen(0))
     quads = gemv.pack_int8_quads(q)
     assert quads.shape == (2, 16, 16, 4)
     assert quads[1, 10, 3, 2] == q[16 + 3, 4 * 10 + 2]
@@ -97,18 +82,14 @@ def test_activation_rounding() -> None:
     assert (err <= d[..., None] / 2 * (1 + 1e-6)).all()
 
 
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8])
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("with_bias", [False, True])
+@with_op_cases
 def test_int8_q8_op_equals_integer_reference(
     x_dtype: torch.dtype, rows: int, shape: tuple[int, int], with_bias: bool
 ) -> None:
-    n, k = shape
-    group = 128 if k % 128 == 0 and n == 32 else 32
-    q, scale = quantize_int8_grouped(_weights(n, k, rows + n), group)
+    (n, k), group = shape, group_for(shape)
+    q, scale = quantize_int8_grouped(weights(n, k, rows + n), group)
     x = _activations(rows, k, rows).to(x_dtype)
-    bias = torch.randn(n, generator=_gen(7)) if with_bias else None
+    bias = torch.randn(n, generator=gen(7)) if with_bias else None
     _, scales = gemv.pack_int8_grouped(q, scale)
     got = gemv.int8_q8(x, gemv.pack_int8_quads(q), scales, bias)
     _check(got, x, q, scale, bias)
@@ -132,27 +113,19 @@ def _q8_round_trip(x: torch.Tensor) -> torch.Tensor:
     return (xq.float().view(flat.shape[0], flat.shape[1] // 32, 32) * d[..., None]).reshape(x.shape).to(x.dtype)
 
 
-class _Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.output_size, self.input_size = weight.shape
-        self.weight = nn.Parameter(weight.clone(), requires_grad=False)
-        self.bias = bias
-
-
 @pytest.mark.parametrize("rows", [1, 8, 9, 32, 33])
 def test_method_with_int8_activations(rows: int) -> None:
     """<= 32 rows through the kernel (8 per call); more rows: the GEMM on dequantized weights
     and x rounded as the kernel rounds it. The layer holds only the quad tiles."""
-    w, bias = _weights(96, 256, 0), torch.randn(96, generator=_gen(1))
-    layer = _Linear(w, bias)
+    w, bias = weights(96, 256, 0), torch.randn(96, generator=gen(1))
+    layer = BareLinear(w, bias)
     method = Int8GroupedLinearMethod(32, activations="int8")
     method.process_weights_after_loading(layer)
     assert {name for name, _ in layer.named_buffers()} == {"qweight_quads", "scale_tiles"}
     q, scale = quantize_int8_grouped(w, 32)
     assert method.weight_bytes(layer) == 96 * 256 + 96 * 8 * 2
     assert all(torch.equal(a, b) for a, b in zip(method.int_weight(layer), (q, scale), strict=True))
-    x = torch.randn(rows, 256, generator=_gen(rows))
+    x = torch.randn(rows, 256, generator=gen(rows))
     got = method.apply(layer, x)
     if rows <= gemv.GROUPED_MAX_ROWS:
         _check(got, x, q, scale, bias)
@@ -160,7 +133,7 @@ def test_method_with_int8_activations(rows: int) -> None:
         want = F.linear(_q8_round_trip(x), dequantize_int8_grouped(q, scale), bias)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Without the kernel (PAGEDSERVE_GEMV=off keeps the untiled layout): the same function.
-    off_layer, off = _Linear(w, bias), Int8GroupedLinearMethod(32, gemv=False, activations="int8")
+    off_layer, off = BareLinear(w, bias), Int8GroupedLinearMethod(32, gemv=False, activations="int8")
     off.process_weights_after_loading(off_layer)
     assert not hasattr(off_layer, "qweight_quads")
     _check(off.apply(off_layer, x), x, q, scale, bias)
