@@ -592,18 +592,24 @@ at::Tensor gemv_int8(const at::Tensor& x_in, const at::Tensor& w, const at::Tens
   return y;
 }
 
-// Checks shared by the grouped ops: x (M, K) with K = rows of each tile; `scales` (tiles, G, ...)
-// with G dividing K into groups that are multiples of 32; bias (N,) of any float dtype.
-void check_grouped(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                   int64_t bytes_per_k, const c10::optional<at::Tensor>& bias, const char* op) {
+// Checks shared by the grouped ops, whatever their weight layout: x float32 or bfloat16; `scales`
+// (tiles, G, ...) contiguous, with G dividing K into groups that are multiples of 32; bias (N,).
+void check_x_scales_bias(const at::Tensor& x, int64_t tiles, const at::Tensor& scales,
+                         const c10::optional<at::Tensor>& bias, const char* op) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x must be float32 or bfloat16");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(1) == x.size(1) && q.size(2) == bytes_per_k, op,
-              ": q must be contiguous channel tiles (N/16, K, ", bytes_per_k, ") with K = x.size(-1)");
-  TORCH_CHECK(scales.is_contiguous() && scales.size(0) == q.size(0) && scales.size(1) > 0 &&
+  TORCH_CHECK(scales.is_contiguous() && scales.dim() >= 2 && scales.size(0) == tiles && scales.size(1) > 0 &&
                   x.size(1) % scales.size(1) == 0 && (x.size(1) / scales.size(1)) % 32 == 0,
               op, ": scales must be contiguous (N/16, K/group, ...) with group a multiple of 32");
-  TORCH_CHECK(!bias.has_value() || bias->numel() == q.size(0) * kTile, op, ": bias must have N elements");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == tiles * kTile, op, ": bias must have N elements");
+}
+
+// The channel-tile ops (int8 and int4 grouped): q (N/16, K, bytes_per_k).
+void check_grouped(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                   int64_t bytes_per_k, const c10::optional<at::Tensor>& bias, const char* op) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(1) == x.size(1) && q.size(2) == bytes_per_k, op,
+              ": q must be contiguous channel tiles (N/16, K, ", bytes_per_k, ") with K = x.size(-1)");
+  check_x_scales_bias(x, q.size(0), scales, bias, op);
 }
 
 at::Tensor gemv_int8_grouped(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
@@ -627,16 +633,12 @@ at::Tensor gemv_int8_grouped(const at::Tensor& x_in, const at::Tensor& q, const 
 at::Tensor gemv_int8_q8(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
                         const c10::optional<at::Tensor>& bias) {
   const at::Tensor x = rows_view(x_in, "gemv_int8_q8");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "gemv_int8_q8: x must be float32 or bfloat16");
   TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 4 && q.is_contiguous() && q.size(1) * 4 == x.size(1) &&
                   q.size(2) == kTile && q.size(3) == 4,
               "gemv_int8_q8: q must be contiguous int8 quad tiles (N/16, K/4, 16, 4) with K = x.size(-1)");
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.is_contiguous() &&
-                  scale.size(0) == q.size(0) && scale.size(2) == kTile && scale.size(1) > 0 &&
-                  x.size(1) % scale.size(1) == 0 && (x.size(1) / scale.size(1)) % 32 == 0,
-              "gemv_int8_q8: scale must be contiguous (N/16, K/group, 16) float16 with group a multiple of 32");
-  TORCH_CHECK(!bias.has_value() || bias->numel() == q.size(0) * kTile, "gemv_int8_q8: bias must have N elements");
+  check_x_scales_bias(x, q.size(0), scale, bias, "gemv_int8_q8");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(2) == kTile,
+              "gemv_int8_q8: scale must be (N/16, K/group, 16) float16");
   at::Tensor y = at::empty(out_shape(x_in, q.size(0) * kTile), x.options());
 #if defined(PAGEDSERVE_AVX2)
   if (x.size(0) == 0) return y;
