@@ -79,7 +79,9 @@ GEMV = Kernel("gemv", "gemv_cpu.cpp", "pagedserve_gemv", "decode GEMV kernel",
 INT8 = Kernel("int8", "int8_linear_cpu.cpp", "pagedserve_int8", "int8 linear kernel",
               runs_here="available")
 LORA = Kernel("lora_sgmv", "lora_sgmv_cpu.cpp", "pagedserve_lora", "LoRA kernel")
-KERNELS = (PAGED_ATTENTION, FUSED_OPS, GEMV, INT8, LORA)
+# Calls the three kernels above through the dispatcher by their default namespaces.
+DECODER_LOOP = Kernel("decoder_loop", "decoder_loop_cpu.cpp", "pagedserve_loop", "C++ decoder loop")
+KERNELS = (PAGED_ATTENTION, FUSED_OPS, GEMV, INT8, LORA, DECODER_LOOP)
 
 
 @dataclass(frozen=True)

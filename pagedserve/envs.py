@@ -17,6 +17,10 @@ fails the engine's construction (`cpp_build.KernelUnavailable`); unset, a fallba
                                    decode-sized (<= 8 rows) linear layers through the C++
                                    GEMV kernel, which keeps one more copy of the weights
                                    (see quantization/gemv.py)
+    PAGEDSERVE_DECODER_LOOP        "cpp" | "off" | unset (auto: cpp where the model and its
+                                   kernels allow): a Llama-family model's decoder layers for a
+                                   step of <= 8 tokens in one C++ call (see
+                                   models/decoder_loop.py)
     PAGEDSERVE_TP_TIMEOUT_S        seconds (default 120): tensor parallelism's start-up and
                                    collective timeout; a rank that stops answering fails the
                                    step after this long (a rank that dies fails it at once)
@@ -82,6 +86,16 @@ def gemv() -> GemvName | None:
     """Whether decode-sized linear layers use the C++ GEMV kernel ("off", forced "cpp"), or
     None for automatic."""
     return _choice("PAGEDSERVE_GEMV", _GEMV)  # type: ignore[return-value]
+
+
+DecoderLoopName = Literal["cpp", "off"]
+_DECODER_LOOP: tuple[DecoderLoopName, ...] = ("cpp", "off")
+
+
+def decoder_loop() -> DecoderLoopName | None:
+    """Whether small steps run the decoder layers in one C++ call ("off", forced "cpp"), or
+    None for automatic."""
+    return _choice("PAGEDSERVE_DECODER_LOOP", _DECODER_LOOP)  # type: ignore[return-value]
 
 
 def tp_timeout_s() -> float:

@@ -57,6 +57,13 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x (..., input_size) -> x W^T + b (..., output_size) in x.dtype."""
 
+    def decode_op(self, layer: nn.Module) -> tuple[str, list[torch.Tensor]] | None:
+        """The single GEMV op `apply` calls for x of at most `gemv.MAX_ROWS` rows in float32 /
+        bfloat16, as (its name in quantization/gemv.py's op library, its arguments after x,
+        the bias last when there is one); None when `apply` does something else there.
+        The C++ decoder loop (models/decoder_loop.py) makes exactly this call."""
+        return None
+
     def add_to_weight(self, layer: nn.Module, delta: torch.Tensor) -> None:
         """W += delta (output_size, input_size), e.g. to merge a LoRA adapter into the base.
 

@@ -247,6 +247,13 @@ class Int4LinearMethod(LinearMethod):
             return w.to(dtype)
         return dequantize_int4(*self.int_weight(layer), layer.group_size).to(dtype)
 
+    def decode_op(self, layer: nn.Module) -> tuple[str, list[torch.Tensor]] | None:
+        tiles = getattr(layer, "qweight_tiles", None)
+        if tiles is None:
+            return None
+        return gemv.decode_call(
+            "gemv_int4_grouped", tiles, layer.scales_zeros_tiles, bias=getattr(layer, "bias", None))
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         tiles = getattr(layer, "qweight_tiles", None)
         if tiles is not None:

@@ -138,6 +138,14 @@ class Int8GroupedLinearMethod(LinearMethod):
     def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int8_grouped(*self.int_weight(layer), dtype)
 
+    def decode_op(self, layer: nn.Module) -> tuple[str, list[torch.Tensor]] | None:
+        tiles, op = getattr(layer, "qweight_tiles", None), "gemv_int8_grouped"
+        if tiles is None:
+            tiles, op = getattr(layer, "qweight_quads", None), "gemv_int8_q8"
+        if tiles is None:
+            return None
+        return gemv.decode_call(op, tiles, layer.scale_tiles, bias=getattr(layer, "bias", None))
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         tiles = getattr(layer, "qweight_tiles", None)
         op = gemv.int8_grouped

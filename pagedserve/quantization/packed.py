@@ -107,6 +107,10 @@ class PackedLinearMethod(LinearMethod):
         if hasattr(layer, "gemv_weight"):
             layer.gemv_weight = gemv.pack_tiles(dense)
 
+    def decode_op(self, layer: nn.Module) -> tuple[str, list[torch.Tensor]] | None:
+        tiles = getattr(layer, "gemv_weight", None)
+        return None if tiles is None else gemv.decode_call("gemv_dense", tiles, bias=getattr(layer, "bias", None))
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         bias = getattr(layer, "bias", None)
         tiles = getattr(layer, "gemv_weight", None)

@@ -36,6 +36,7 @@ from pagedserve.lora.layout import AdapterLayout, write_adapter
 from pagedserve.lora.peft_loader import TARGETABLE, LoRAAdapter
 from pagedserve.lora.segments import LoRASegments, ResidentAdapter, build_segments
 from pagedserve.lora.tp import shard_adapter
+from pagedserve.models.decoder_loop import DecoderLoop
 from pagedserve.models.layers.attention import Attention
 from pagedserve.models.loader import load_model
 from pagedserve.quantization import QuantizationConfig
@@ -179,16 +180,22 @@ class ModelRunner:
         if compilation is not None and compilation.enabled:
             self.compiled = build_compiled_decode(
                 self.model, compilation.compile_sizes, device, dict(compilation.inductor_compile_config))
+        # Small eager steps: the decoder layers in one C++ call where the model allows it.
+        self.decoder_loop = None if self.compiled is not None else DecoderLoop.build(
+            self.model, self.backend, self.kv_dtype, dtype, device, self.tp_group.size, lora_dtype is not None)
 
     def _run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """The step's forward: the compiled decode graph when it takes the step, else eager."""
+        """The step's forward: the compiled decode graph or the C++ decoder loop when one takes
+        the step, else the eager model."""
         if self.compiled is not None and self.compiled.takes(common.num_tokens, common.max_query_len):
             hidden = self.compiled(input_ids, positions, attn_metadata, self.kv_caches)
             if hidden is not None:
                 return hidden
+        if self.decoder_loop is not None and self.decoder_loop.takes(common.num_tokens, attn_metadata):
+            return self.decoder_loop(input_ids, positions, attn_metadata)
         return self.model(input_ids, positions, attn_metadata)
 
     def kv_cache_spec(self) -> KVCacheSpec:

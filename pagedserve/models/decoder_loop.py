@@ -1,0 +1,169 @@
+"""A Llama-family model's decoder layers for a small step in one C++ call (issue 18).
+
+A batch-1 decode token of SmolLM2 dispatches ~550 ops from Python (norms, four GEMVs, rotary,
+cache write and attention per layer, 30 layers); at ~10-15 us of Python each, that is about as
+long as reading the weights. `DecoderLoop` hands the whole layer stack to
+pagedserve/csrc/decoder_loop_cpu.cpp, which calls the same registered C++ ops in the same
+order with the same arguments, so the hidden states are the Python layers' bit for bit:
+
+    step with T <= gemv.MAX_ROWS tokens (decode, or a tiny prefill chunk)
+        embed_tokens, rotary_emb (cos, sin)            Python, once a step
+        every layer                                     one C++ call
+        final norm                                      Python
+    any other step                                      the model's own forward
+
+It is built once, after the weights are processed (`build`), and only where every piece has
+its C++ path: a Llama / Mistral / Qwen2 model on CPU, one rank, no LoRA, the C++ attention
+backend with a float32 / bfloat16 KV cache in the model's dtype, the fused norm / rotary /
+SiLU ops, and every linear layer a method whose decode-sized call is one GEMV op
+(`LinearMethod.decode_op`). Otherwise `build` says why and the runner keeps the Python path.
+`PAGEDSERVE_DECODER_LOOP=off` turns it off, `=cpp` makes a model that cannot use it an error.
+The weights are captured at build: layers whose weights change later (merging an adapter)
+need a new loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve import cpp_build, envs
+from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
+from pagedserve.quantization import gemv
+
+logger = logging.getLogger(__name__)
+
+# The C++ loop's op codes (kLinearOps in decoder_loop_cpu.cpp).
+LINEAR_OPS = {"gemv_dense": 0, "gemv_int8_grouped": 1, "gemv_int8_q8": 2, "gemv_int4_grouped": 3}
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class DecoderLoop:
+    """Runs `model.model.layers` for a step of at most `gemv.MAX_ROWS` tokens in one C++ call.
+
+    Use `build`, which checks that every piece of the model has its C++ path."""
+
+    def __init__(self, model: nn.Module, backend: Any, ops: Any, weights: list[torch.Tensor],
+                 layout: list[int]) -> None:
+        inner = model.model
+        attn = inner.layers[0].self_attn
+        self.model = inner
+        self.backend = backend
+        self.ops = ops
+        self.weights = weights
+        self.layout = layout
+        self.attn_layers = [layer.self_attn.attn for layer in inner.layers]
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale = float(attn.attn.scale)
+        self.eps = float(inner.layers[0].input_layernorm.eps)
+        # Steps this loop ran (read by tests and benchmarks).
+        self.calls = 0
+
+    @classmethod
+    def build(cls, model: nn.Module, backend: AttentionBackend, kv_dtype: torch.dtype,
+              dtype: torch.dtype, device: torch.device, tp_size: int, lora: bool) -> DecoderLoop | None:
+        """The loop for this loaded model, or None (the reason logged) when it cannot run it.
+
+        Raises:
+            ValueError: PAGEDSERVE_DECODER_LOOP=cpp and the model cannot use the loop.
+            KernelUnavailable: PAGEDSERVE_DECODER_LOOP=cpp and the kernel cannot be built.
+        """
+        choice = envs.decoder_loop()
+        if choice == "off":
+            return None
+        reason = _why_not(model, backend, kv_dtype, dtype, device, tp_size, lora)
+        if reason is None:
+            loaded = cpp_build.load(cpp_build.DECODER_LOOP)
+            if loaded.ops is None and choice == "cpp":
+                loaded.require()
+            reason = None if loaded.ops is not None else f"the kernel is unavailable: {loaded.reason}"
+        if reason is not None:
+            if choice == "cpp":
+                raise ValueError(f"PAGEDSERVE_DECODER_LOOP=cpp, but {reason}")
+            logger.info("decoder loop off: %s", reason)
+            return None
+        weights, layout = _flatten(model)
+        return cls(model, backend, loaded.ops, weights, layout)
+
+    def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Whether this step can run here: few enough tokens, and the backend's own metadata
+        (its torch fallback is for dtypes the loop never sees)."""
+        return 0 < num_tokens <= gemv.MAX_ROWS and getattr(meta, "backend", None) is self.backend
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        """The model's forward (final norm applied) for a step `takes` accepted."""
+        inner = self.model
+        hidden = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary_emb(positions, hidden.dtype)
+        hidden, residual = self.ops.decoder_layers(
+            hidden, cos.contiguous(), sin.contiguous(), self.weights, self.layout,
+            [layer.kv_cache for layer in self.attn_layers], meta.slot_mapping, meta.block_tables,
+            meta.seq_lens, meta.query_start_loc, meta.items, meta.merges, meta.num_parts, meta.max_q,
+            self.num_heads, self.num_kv_heads, self.head_dim,
+            self.backend.heads_per_task or self.num_kv_heads, self.scale, self.eps)
+        self.calls += 1
+        hidden, _ = inner.norm(hidden, residual)
+        return hidden
+
+
+def _why_not(model: nn.Module, backend: AttentionBackend, kv_dtype: torch.dtype, dtype: torch.dtype,
+             device: torch.device, tp_size: int, lora: bool) -> str | None:
+    """Why the loop cannot run this model, or None when it can."""
+    from pagedserve.attention.cpp_paged import CppPagedAttentionBackend
+    from pagedserve.models.layers.linear import LinearBase
+    from pagedserve.models.llama import LlamaModel
+
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, LlamaModel):
+        return f"{type(model).__name__} is not a Llama-family model"
+    if device.type != "cpu" or dtype not in _DTYPES:
+        return f"it runs float32 / bfloat16 models on CPU, not {dtype} on {device.type}"
+    if tp_size != 1 or lora:
+        return "tensor parallelism and LoRA keep the Python layers"
+    if not isinstance(backend, CppPagedAttentionBackend) or not backend.fused_cache_write:
+        return f"the attention backend is {backend.name}, not the C++ one"
+    if backend.ops is not cpp_build.load(cpp_build.PAGED_ATTENTION).ops:
+        return "the attention backend uses a variant build of its kernel"
+    if kv_dtype != dtype:
+        return f"the KV cache is {kv_dtype}, the model {dtype}"
+    eps = {layer.input_layernorm.eps for layer in inner.layers} | {
+        layer.post_attention_layernorm.eps for layer in inner.layers}
+    if len(eps) != 1:
+        return "the layers' norms use different eps"
+    for layer in inner.layers:
+        fused = (layer.input_layernorm.fused, layer.post_attention_layernorm.fused,
+                 layer.self_attn.fused, layer.mlp.act_fn.fused)
+        if any(ops is None for ops in fused):
+            return "the fused norm / rotary / SiLU ops are off"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if norm.weight.dtype != dtype:
+                return f"a norm weight is {norm.weight.dtype}, the model {dtype}"
+        for linear in _linears(layer):
+            if not isinstance(linear, LinearBase):
+                return f"{type(linear).__name__} is not a plain linear layer"
+            call = linear.quant_method.decode_op(linear)
+            if call is None or call[0] not in LINEAR_OPS:
+                return f"the {linear.quant_method.name} method has no one-op decode call"
+    return None
+
+
+def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """qkv_proj, o_proj, gate_up_proj, down_proj: the C++ loop's order."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+
+def _flatten(model: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
+    """The C++ loop's `weights` and `layout` (decoder_loop_cpu.cpp's header)."""
+    weights: list[torch.Tensor] = []
+    layout: list[int] = []
+    for layer in model.model.layers:
+        weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+        for linear in _linears(layer):
+            op, args = linear.quant_method.decode_op(linear)
+            layout += [LINEAR_OPS[op], len(args)]
+            weights += [t.detach() for t in args]
+    return weights, layout
+
