@@ -6,6 +6,8 @@
     python benchmarks/latency.py --models smollm2 --precisions fp32 int8 int4 gguf --compare
     python benchmarks/latency.py --compare                     # GEMV kernel off vs on, paired
     python benchmarks/latency.py --compile                     # eager vs compiled decode, paired
+    python benchmarks/latency.py --models smollm2 --precisions fp32 bf16 int8 --compare-loop
+                                                               # the C++ decoder loop off vs on, paired
     python benchmarks/latency.py --models smollm2 --precisions int8 --compile --activations --quantize-lm-head
                                                                # the fastest int8 set-up, eager vs compiled
     python benchmarks/latency.py --models 125m --precisions fp32 --overhead-only --overhead-batch 256
@@ -28,6 +30,8 @@ With --compare every measurement runs on two engines built side by side, the dec
 kernel off (PAGEDSERVE_GEMV=off at load: the GEMM path at every batch size) and on,
 alternating run by run so both see the same machine; the ratio is the median of the
 per-run ratios.
+With --compare-loop they are the Python layers (PAGEDSERVE_DECODER_LOOP=off) and the C++
+decoder loop (models/decoder_loop.py, the default where it runs).
 With --compile the two engines are eager and compiled (compilation_config level 3, one graph
 per batch size in --batches, compiled at engine start; its compile time is reported), the
 same way paired and alternating.
@@ -247,19 +251,18 @@ def measure_overhead(llms: list[LLM], args: argparse.Namespace, vocab: int, run:
 
 
 @contextlib.contextmanager
-def gemv_env(value: str | None) -> Iterator[None]:
-    old = os.environ.get("PAGEDSERVE_GEMV")
-    if value is None:
-        os.environ.pop("PAGEDSERVE_GEMV", None)
-    else:
-        os.environ["PAGEDSERVE_GEMV"] = value
+def env_vars(values: dict[str, str]) -> Iterator[None]:
+    """The PAGEDSERVE_* variables an engine is built under (read at load), restored after."""
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("PAGEDSERVE_GEMV", None)
-        else:
-            os.environ["PAGEDSERVE_GEMV"] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def build(path: str, precision: str, args: argparse.Namespace, **extra: object) -> LLM:
@@ -272,22 +275,25 @@ def build(path: str, precision: str, args: argparse.Namespace, **extra: object) 
     )
 
 
-def variants(args: argparse.Namespace) -> list[tuple[str, str | None, dict]]:
-    """(label, PAGEDSERVE_GEMV value, extra LLM kwargs) of the engines compared."""
+def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, str], dict]]:
+    """(label, PAGEDSERVE_* variables, extra LLM kwargs) of the engines compared."""
     head = {"quantize_lm_head": True} if args.quantize_lm_head else {}
+    if args.compare_loop:  # the C++ decoder loop off vs on (with --activations: int8 x int8 both)
+        base = {**head, **({"quantization_activations": "int8"} if args.activations else {})}
+        return [("python layers", {"PAGEDSERVE_DECODER_LOOP": "off"}, base), ("c++ loop", {}, base)]
     if args.compile:
         config: dict = {"level": 3, "compile_sizes": sorted(set(args.batches) | {1})}
         if args.cpp_wrapper:
             config["inductor_compile_config"] = {"cpp_wrapper": True}
         # With --activations both engines run int8 x int8 (the fastest int8 configuration).
         base = {**head, **({"quantization_activations": "int8"} if args.activations else {})}
-        return [("eager", None, base), ("compiled", None, {**base, "compilation_config": config})]
+        return [("eager", {}, base), ("compiled", {}, {**base, "compilation_config": config})]
     if args.activations:  # group-wise int8: weight-only vs int8 x int8 (gemv_int8_q8)
-        return [("int8 weight-only", None, {"quantization_activations": "none", **head}),
-                ("int8 x int8", None, {"quantization_activations": "int8", **head})]
+        return [("int8 weight-only", {}, {"quantization_activations": "none", **head}),
+                ("int8 x int8", {}, {"quantization_activations": "int8", **head})]
     if args.compare:
-        return [("gemv off", "off", head), ("gemv on", None, head)]
-    return [("", None, head)]
+        return [("gemv off", {"PAGEDSERVE_GEMV": "off"}, head), ("gemv on", {}, head)]
+    return [("", {}, head)]
 
 
 def report(label: str, r: dict, roofline: float, batches: list[int]) -> str:
@@ -318,7 +324,7 @@ def run_config(model: str, precision: str, args: argparse.Namespace, print_fn: C
     engines = variants(args)
     llms = []
     for label, env, extra in engines:
-        with gemv_env(env):
+        with env_vars(env):
             start = time.perf_counter()
             llms.append(build(path, precision, args, **extra))
             compiled = llms[-1].llm_engine.runner.compiled
@@ -369,6 +375,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-cache-bytes", type=int, default=512 << 20)
     parser.add_argument("--compare", action="store_true", help="GEMV kernel off vs on, paired")
+    parser.add_argument("--compare-loop", action="store_true",
+                        help="the C++ decoder loop off (Python layers) vs on, paired")
     parser.add_argument("--compile", action="store_true",
                         help="eager vs compiled decode (compilation_config level 3), paired")
     parser.add_argument("--cpp-wrapper", action="store_true",

@@ -26,6 +26,8 @@
 #include <optional>
 #include <tuple>
 
+#include "pagedserve_common.h"
+
 namespace {
 
 using Tensor = at::Tensor;
