@@ -18,9 +18,8 @@ fails the engine's construction (`cpp_build.KernelUnavailable`); unset, a fallba
                                    GEMV kernel, which keeps one more copy of the weights
                                    (see quantization/gemv.py)
     PAGEDSERVE_DECODER_LOOP        "cpp" | "off" | unset (auto: cpp where the model and its
-                                   kernels allow): a Llama-family model's decoder layers for a
-                                   step of <= 8 tokens in one C++ call (see
-                                   models/decoder_loop.py)
+                                   kernels allow): a Llama-family model's decoder layers in
+                                   one C++ call a step (see models/decoder_loop.py)
     PAGEDSERVE_TP_TIMEOUT_S        seconds (default 120): tensor parallelism's start-up and
                                    collective timeout; a rank that stops answering fails the
                                    step after this long (a rank that dies fails it at once)
@@ -93,7 +92,7 @@ _DECODER_LOOP: tuple[DecoderLoopName, ...] = ("cpp", "off")
 
 
 def decoder_loop() -> DecoderLoopName | None:
-    """Whether small steps run the decoder layers in one C++ call ("off", forced "cpp"), or
+    """Whether steps run the decoder layers in one C++ call ("off", forced "cpp"), or
     None for automatic."""
     return _choice("PAGEDSERVE_DECODER_LOOP", _DECODER_LOOP)  # type: ignore[return-value]
 

@@ -1,4 +1,4 @@
-// A Llama-family decoder stack for a small step (at most 8 new tokens: decode) in ONE call.
+// A Llama-family decoder stack for one step in ONE call.
 //
 // Why: at batch 1 a SmolLM2 token runs ~550 small ops (4 linear layers, 2 norms, rotary, cache
 // write, attention and SwiGLU per layer, 30 layers). From Python each costs a dispatch and a
@@ -6,19 +6,23 @@
 // calls the SAME registered ops (pagedserve_gemv, pagedserve_fused, pagedserve_cpu) through the
 // dispatcher from C++, in the same order with the same arguments as the Python layers
 // (pagedserve/models/llama.py), so its output is the Python path's bit for bit; only the
-// per-op Python cost goes. The Python side (pagedserve/models/layers/decoder_loop.py) decides
+// per-op Python cost goes. The Python side (pagedserve/models/decoder_loop.py) decides
 // when it may run and flattens the weights once.
 //
 //   decoder_layers(hidden (T, E), cos, sin (T, D/2), weights, layout, kv_caches, <attention
 //                  metadata of the step>, ...) -> (hidden, residual) before the final norm
 //
-// `weights` lists per layer: input_layernorm.weight, post_attention_layernorm.weight, then the
-// tensors of qkv_proj, o_proj, gate_up_proj, down_proj in turn; `layout` gives per linear
-// (op code, tensor count): the tensors are the GEMV op's arguments after x, bias last when
-// present (op codes: kLinearOps).
+// `weights` lists per layer: input_layernorm.weight, post_attention_layernorm.weight, then for
+// each of qkv_proj, o_proj, gate_up_proj, down_proj the tensors of its small-step call and of
+// its large-step call; `layout` gives per linear (small op, tensor count, large op, tensor
+// count): a step of at most `max_small_rows` tokens makes the small call (a GEMV), a larger
+// one the large call (oneDNN's packed GEMM or aten::linear; op -1 = none: the Python side
+// never sends such a step). Each call's tensors are the op's arguments after x, bias last
+// when present (op codes: kLinearOps).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -40,8 +44,10 @@ constexpr const char* kLinearOps[] = {
     "pagedserve_gemv::gemv_int8_grouped",  // 1: (x, q, scale, bias?)
     "pagedserve_gemv::gemv_int8_q8",       // 2: (x, q, scale, bias?)
     "pagedserve_gemv::gemv_int4_grouped",  // 3: (x, q, scales_zeros, bias?)
+    "aten::linear",                        // 4: (x, w, bias?)
+    "mkldnn::_linear_pointwise",           // 5: (x, packed w, bias?), attr "none", as packed.py calls it
 };
-constexpr int kNumLinearOps = 4;
+constexpr int kNumLinearOps = 6;
 constexpr int kLinearsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
 
 template <class Fn>
@@ -54,6 +60,9 @@ struct Ops {
   using Dense = Tensor(const Tensor&, const Tensor&, const OptTensor&);
   using Scaled = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&);
   c10::TypedOperatorHandle<Dense> dense = find_op<Dense>(kLinearOps[0]);
+  c10::TypedOperatorHandle<Dense> linear = find_op<Dense>(kLinearOps[4]);
+  // Called boxed: its C++ signature (string views, a list of optional scalars) is torch's own.
+  c10::OperatorHandle onednn = c10::Dispatcher::singleton().findSchemaOrThrow(kLinearOps[5], "");
   std::array<c10::TypedOperatorHandle<Scaled>, 3> scaled = {
       find_op<Scaled>(kLinearOps[1]), find_op<Scaled>(kLinearOps[2]), find_op<Scaled>(kLinearOps[3])};
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm =
@@ -87,10 +96,21 @@ struct Linear {
 };
 
 Tensor run_linear(const Ops& o, const Linear& l, const Tensor& x) {
-  const bool has_bias = l.count == (l.op == 0 ? 2 : 3);
+  const bool two_operands = l.op == 0 || l.op >= 4;  // (x, w) vs (x, q, scale)
+  const bool has_bias = l.count == (two_operands ? 2 : 3);
   const OptTensor bias = has_bias ? OptTensor(l.args[l.count - 1]) : std::nullopt;
-  if (l.op == 0) return o.dense.call(x, l.args[0], bias);
-  return o.scaled[l.op - 1].call(x, l.args[0], l.args[1], bias);
+  switch (l.op) {
+    case 0: return o.dense.call(x, l.args[0], bias);
+    case 4: return o.linear.call(x, l.args[0], bias);
+    case 5: {
+      torch::jit::Stack stack{x, l.args[0], bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
+                              c10::IValue("none"), c10::IValue(c10::List<std::optional<c10::Scalar>>()),
+                              c10::IValue("")};
+      o.onednn.callBoxed(stack);
+      return stack[0].toTensor();
+    }
+    default: return o.scaled[l.op - 1].call(x, l.args[0], l.args[1], bias);
+  }
 }
 
 std::tuple<Tensor, Tensor> decoder_layers(
@@ -98,13 +118,14 @@ std::tuple<Tensor, Tensor> decoder_layers(
     at::IntArrayRef layout, at::TensorList kv_caches, const Tensor& slot_mapping,
     const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc, const Tensor& items,
     const Tensor& merges, int64_t num_parts, int64_t max_q, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t heads_per_task, double scale, double eps) {
+    int64_t head_dim, int64_t heads_per_task, double scale, double eps, int64_t max_small_rows) {
   const Ops& o = ops();
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(layout.size()) == layers * kLinearsPerLayer * 2,
-              "decoder_layers: layout must hold (op, tensor count) for 4 linears per layer");
+  TORCH_CHECK(static_cast<int64_t>(layout.size()) == layers * kLinearsPerLayer * 4,
+              "decoder_layers: layout must hold 2 x (op, tensor count) for 4 linears per layer");
   TORCH_CHECK(hidden_in.dim() == 2, "decoder_layers: hidden must be (tokens, hidden_size)");
   const int64_t tokens = hidden_in.size(0);
+  const int64_t pick = tokens <= max_small_rows ? 0 : 2;  // the small or the large call
   const int64_t h = num_heads, kvh = num_kv_heads, d = head_dim;
   Tensor hidden = hidden_in, residual;
   size_t w = 0;
@@ -115,12 +136,18 @@ std::tuple<Tensor, Tensor> decoder_layers(
     const Tensor& post_norm = weights[w + 1];
     w += 2;
     for (int i = 0; i < kLinearsPerLayer; ++i) {
-      const int64_t op = layout[(layer * kLinearsPerLayer + i) * 2];
-      const int64_t count = layout[(layer * kLinearsPerLayer + i) * 2 + 1];
-      TORCH_CHECK(op >= 0 && op < kNumLinearOps && count >= 1 && count <= 3 && w + count <= weights.size(),
-                  "decoder_layers: bad layout entry for layer ", layer, " linear ", i);
-      linear[i] = Linear{op, weights.data() + w, count};
-      w += static_cast<size_t>(count);
+      const int64_t* entry = layout.data() + (layer * kLinearsPerLayer + i) * 4;
+      for (int call = 0; call < 4; call += 2) {
+        const int64_t op = entry[call], count = entry[call + 1];
+        TORCH_CHECK(op < kNumLinearOps && count >= 0 && count <= 3 && w + count <= weights.size() &&
+                        (op >= 0 ? count >= 1 : count == 0),
+                    "decoder_layers: bad layout entry for layer ", layer, " linear ", i);
+        if (call == pick) {
+          TORCH_CHECK(op >= 0, "decoder_layers: layer ", layer, " linear ", i, " has no call for ", tokens, " rows");
+          linear[i] = Linear{op, weights.data() + w, count};
+        }
+        w += static_cast<size_t>(count);
+      }
     }
     // input_layernorm (the first layer starts the residual stream)
     if (layer == 0) {
@@ -155,6 +182,9 @@ TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
       "decoder_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, int[] layout, "
       "Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor items, Tensor merges, int num_parts, int max_q, int num_heads, "
-      "int num_kv_heads, int head_dim, int heads_per_task, float scale, float eps) -> (Tensor, Tensor)");
+      "int num_kv_heads, int head_dim, int heads_per_task, float scale, float eps, int max_small_rows) "
+      "-> (Tensor, Tensor)");
   m.impl("decoder_layers", c10::DispatchKey::CPU, &decoder_layers);
+  // oneDNN's prepacked weights (opaque MkldnnCPU tensors) are among the arguments.
+  m.impl("decoder_layers", c10::DispatchKey::MkldnnCPU, &decoder_layers);
 }

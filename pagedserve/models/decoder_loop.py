@@ -1,4 +1,4 @@
-"""A Llama-family model's decoder layers for a small step in one C++ call (issue 18).
+"""A Llama-family model's decoder layers in one C++ call a step (issue 18).
 
 A batch-1 decode token of SmolLM2 dispatches ~550 ops from Python (norms, four GEMVs, rotary,
 cache write and attention per layer, 30 layers); at ~10-15 us of Python each, that is about as
@@ -6,17 +6,20 @@ long as reading the weights. `DecoderLoop` hands the whole layer stack to
 pagedserve/csrc/decoder_loop_cpu.cpp, which calls the same registered C++ ops in the same
 order with the same arguments, so the hidden states are the Python layers' bit for bit:
 
-    step with T <= gemv.MAX_ROWS tokens (decode, or a tiny prefill chunk)
-        embed_tokens, rotary_emb (cos, sin)            Python, once a step
-        every layer                                     one C++ call
-        final norm                                      Python
-    any other step                                      the model's own forward
+    embed_tokens, rotary_emb (cos, sin)                 Python, once a step
+    every layer                                          one C++ call
+        each linear layer: T <= gemv.MAX_ROWS tokens     its method's GEMV (`decode_op`)
+                           more                          its method's GEMM (`gemm_op`)
+    final norm                                           Python
+
+A model whose methods have no single-op GEMM call (group-wise int8 / int4 chunk or dequantize
+above 8 rows) runs its steps of more than 8 tokens through its own forward.
 
 It is built once, after the weights are processed (`build`), and only where every piece has
 its C++ path: a Llama / Mistral / Qwen2 model on CPU, one rank, no LoRA, the C++ attention
 backend with a float32 / bfloat16 KV cache in the model's dtype, the fused norm / rotary /
 SiLU ops, and every linear layer a method whose decode-sized call is one GEMV op
-(`LinearMethod.decode_op`). Otherwise `build` says why and the runner keeps the Python path.
+(`LinearMethod.decode_op`; `gemm_op` for larger steps). Otherwise `build` says why and the runner keeps the Python path.
 `PAGEDSERVE_DECODER_LOOP=off` turns it off, `=cpp` makes a model that cannot use it an error.
 The weights are captured at build: layers whose weights change later (merging an adapter)
 need a new loop.
@@ -37,17 +40,19 @@ from pagedserve.quantization import gemv
 logger = logging.getLogger(__name__)
 
 # The C++ loop's op codes (kLinearOps in decoder_loop_cpu.cpp).
-LINEAR_OPS = {"gemv_dense": 0, "gemv_int8_grouped": 1, "gemv_int8_q8": 2, "gemv_int4_grouped": 3}
+DECODE_OPS = {"gemv_dense": 0, "gemv_int8_grouped": 1, "gemv_int8_q8": 2, "gemv_int4_grouped": 3}
+GEMM_OPS = {"linear": 4, "mkldnn_linear": 5}
+NO_CALL = -1
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 class DecoderLoop:
-    """Runs `model.model.layers` for a step of at most `gemv.MAX_ROWS` tokens in one C++ call.
+    """Runs `model.model.layers` for a step in one C++ call (steps of at most `max_tokens`).
 
     Use `build`, which checks that every piece of the model has its C++ path."""
 
     def __init__(self, model: nn.Module, backend: Any, ops: Any, weights: list[torch.Tensor],
-                 layout: list[int]) -> None:
+                 layout: list[int], max_tokens: int | None) -> None:
         inner = model.model
         attn = inner.layers[0].self_attn
         self.model = inner
@@ -59,6 +64,8 @@ class DecoderLoop:
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale = float(attn.attn.scale)
         self.eps = float(inner.layers[0].input_layernorm.eps)
+        # None: any step (every linear has a GEMM call); else gemv.MAX_ROWS.
+        self.max_tokens = max_tokens
         # Steps this loop ran (read by tests and benchmarks).
         self.calls = 0
 
@@ -86,12 +93,15 @@ class DecoderLoop:
             logger.info("decoder loop off: %s", reason)
             return None
         weights, layout = _flatten(model)
-        return cls(model, backend, loaded.ops, weights, layout)
+        any_size = all(layout[i] != NO_CALL for i in range(2, len(layout), 4))
+        return cls(model, backend, loaded.ops, weights, layout, None if any_size else gemv.MAX_ROWS)
 
     def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """Whether this step can run here: few enough tokens, and the backend's own metadata
-        (its torch fallback is for dtypes the loop never sees)."""
-        return 0 < num_tokens <= gemv.MAX_ROWS and getattr(meta, "backend", None) is self.backend
+        """Whether this step can run here: a size every linear has a call for, and the
+        backend's own metadata (its torch fallback is for dtypes the loop never sees)."""
+        if num_tokens <= 0 or (self.max_tokens is not None and num_tokens > self.max_tokens):
+            return False
+        return getattr(meta, "backend", None) is self.backend
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         """The model's forward (final norm applied) for a step `takes` accepted."""
@@ -103,7 +113,7 @@ class DecoderLoop:
             [layer.kv_cache for layer in self.attn_layers], meta.slot_mapping, meta.block_tables,
             meta.seq_lens, meta.query_start_loc, meta.items, meta.merges, meta.num_parts, meta.max_q,
             self.num_heads, self.num_kv_heads, self.head_dim,
-            self.backend.heads_per_task or self.num_kv_heads, self.scale, self.eps)
+            self.backend.heads_per_task or self.num_kv_heads, self.scale, self.eps, gemv.MAX_ROWS)
         self.calls += 1
         hidden, _ = inner.norm(hidden, residual)
         return hidden
@@ -145,8 +155,11 @@ def _why_not(model: nn.Module, backend: AttentionBackend, kv_dtype: torch.dtype,
             if not isinstance(linear, LinearBase):
                 return f"{type(linear).__name__} is not a plain linear layer"
             call = linear.quant_method.decode_op(linear)
-            if call is None or call[0] not in LINEAR_OPS:
+            if call is None or call[0] not in DECODE_OPS:
                 return f"the {linear.quant_method.name} method has no one-op decode call"
+            gemm = linear.quant_method.gemm_op(linear)
+            if gemm is not None and gemm[0] not in GEMM_OPS:
+                return f"the {linear.quant_method.name} method's GEMM call {gemm[0]} is not one the loop knows"
     return None
 
 
@@ -156,14 +169,21 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
 
 
 def _flatten(model: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
-    """The C++ loop's `weights` and `layout` (decoder_loop_cpu.cpp's header)."""
+    """The C++ loop's `weights` and `layout` (decoder_loop_cpu.cpp's header): per linear its
+    decode call, then its GEMM call or none."""
     weights: list[torch.Tensor] = []
     layout: list[int] = []
     for layer in model.model.layers:
         weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
         for linear in _linears(layer):
             op, args = linear.quant_method.decode_op(linear)
-            layout += [LINEAR_OPS[op], len(args)]
+            layout += [DECODE_OPS[op], len(args)]
             weights += [t.detach() for t in args]
+            gemm = linear.quant_method.gemm_op(linear)
+            if gemm is None:
+                layout += [NO_CALL, 0]
+                continue
+            layout += [GEMM_OPS[gemm[0]], len(gemm[1])]
+            weights += [t.detach() if t.layout == torch.strided else t for t in gemm[1]]
     return weights, layout
 

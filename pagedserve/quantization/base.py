@@ -26,6 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# (op name, the op's arguments after x with the bias last when there is one): one linear
+# layer's call as `LinearMethod.decode_op` / `gemm_op` describe it.
+LinearCall = tuple[str, list[torch.Tensor]]
+
+
+def linear_call(op: str, *args: torch.Tensor, bias: torch.Tensor | None) -> LinearCall:
+    return op, [*args] if bias is None else [*args, bias]
+
 
 class LinearMethod(ABC):
     """How one linear layer stores its weight and computes x W^T + b."""
@@ -57,11 +65,16 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x (..., input_size) -> x W^T + b (..., output_size) in x.dtype."""
 
-    def decode_op(self, layer: nn.Module) -> tuple[str, list[torch.Tensor]] | None:
+    def decode_op(self, layer: nn.Module) -> LinearCall | None:
         """The single GEMV op `apply` calls for x of at most `gemv.MAX_ROWS` rows in float32 /
         bfloat16, as (its name in quantization/gemv.py's op library, its arguments after x,
         the bias last when there is one); None when `apply` does something else there.
         The C++ decoder loop (models/decoder_loop.py) makes exactly this call."""
+        return None
+
+    def gemm_op(self, layer: nn.Module) -> LinearCall | None:
+        """The same for x of more rows: "linear" (aten::linear) or "mkldnn_linear" (oneDNN's
+        prepacked GEMM) and its arguments after x; None when `apply` does more than one op."""
         return None
 
     def add_to_weight(self, layer: nn.Module, delta: torch.Tensor) -> None:

@@ -225,13 +225,6 @@ def int4_grouped(
     return _ops().gemv_int4_grouped(x, tiles, scales_zeros, bias)
 
 
-def decode_call(
-    op: str, *args: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[str, list[torch.Tensor]]:
-    """A method's `decode_op` answer: the op's name and its arguments after x, bias last."""
-    return op, [*args] if bias is None else [*args, bias]
-
-
 def in_chunks(op: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
     """op(x, *args) for x with more than MAX_ROWS rows: MAX_ROWS rows per call, concatenated."""
     x2 = x.reshape(-1, x.shape[-1])

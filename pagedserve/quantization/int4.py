@@ -44,7 +44,7 @@ from torch import nn
 
 from pagedserve.dtypes import cpu_has_native_bf16
 from pagedserve.quantization import gemv
-from pagedserve.quantization.base import LinearMethod, add_bias
+from pagedserve.quantization.base import LinearCall, LinearMethod, add_bias, linear_call
 
 logger = logging.getLogger(__name__)
 
@@ -247,11 +247,11 @@ class Int4LinearMethod(LinearMethod):
             return w.to(dtype)
         return dequantize_int4(*self.int_weight(layer), layer.group_size).to(dtype)
 
-    def decode_op(self, layer: nn.Module) -> tuple[str, list[torch.Tensor]] | None:
+    def decode_op(self, layer: nn.Module) -> LinearCall | None:
         tiles = getattr(layer, "qweight_tiles", None)
         if tiles is None:
             return None
-        return gemv.decode_call(
+        return linear_call(
             "gemv_int4_grouped", tiles, layer.scales_zeros_tiles, bias=getattr(layer, "bias", None))
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.quantization import gemv
-from pagedserve.quantization.base import LinearMethod, add_bias
+from pagedserve.quantization.base import LinearCall, LinearMethod, add_bias, linear_call
 
 SCALE_DTYPE = torch.float16
 GROUP_SIZES = (32, 64, 128, 256)
@@ -138,13 +138,13 @@ class Int8GroupedLinearMethod(LinearMethod):
     def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int8_grouped(*self.int_weight(layer), dtype)
 
-    def decode_op(self, layer: nn.Module) -> tuple[str, list[torch.Tensor]] | None:
+    def decode_op(self, layer: nn.Module) -> LinearCall | None:
         tiles, op = getattr(layer, "qweight_tiles", None), "gemv_int8_grouped"
         if tiles is None:
             tiles, op = getattr(layer, "qweight_quads", None), "gemv_int8_q8"
         if tiles is None:
             return None
-        return gemv.decode_call(op, tiles, layer.scale_tiles, bias=getattr(layer, "bias", None))
+        return linear_call(op, tiles, layer.scale_tiles, bias=getattr(layer, "bias", None))
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         tiles = getattr(layer, "qweight_tiles", None)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.quantization import gemv
-from pagedserve.quantization.base import LinearMethod
+from pagedserve.quantization.base import LinearCall, LinearMethod, linear_call
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN picks its blocking from an expected batch; measured flat from 16 to 256 rows here.
@@ -107,9 +107,15 @@ class PackedLinearMethod(LinearMethod):
         if hasattr(layer, "gemv_weight"):
             layer.gemv_weight = gemv.pack_tiles(dense)
 
-    def decode_op(self, layer: nn.Module) -> tuple[str, list[torch.Tensor]] | None:
+    def decode_op(self, layer: nn.Module) -> LinearCall | None:
         tiles = getattr(layer, "gemv_weight", None)
-        return None if tiles is None else gemv.decode_call("gemv_dense", tiles, bias=getattr(layer, "bias", None))
+        return None if tiles is None else linear_call("gemv_dense", tiles, bias=getattr(layer, "bias", None))
+
+    def gemm_op(self, layer: nn.Module) -> LinearCall | None:
+        bias, packed = getattr(layer, "bias", None), getattr(layer, "packed_weight", None)
+        if packed is None:
+            return linear_call("linear", layer.weight, bias=bias)
+        return linear_call("mkldnn_linear", packed, bias=bias)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         bias = getattr(layer, "bias", None)
