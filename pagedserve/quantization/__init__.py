@@ -46,7 +46,9 @@ class QuantizationConfig:
         group_size: group along the input dim: 32, 64, 128 or 256; for int8 also -1 (one
             scale per output channel). None: the method's default (32 for both).
         quantize_lm_head: also quantize the LM head (embeddings always stay full precision;
-            a tied head gets its own quantized copy).
+            a tied head gets its own quantized copy). With "gguf" the head becomes group-wise
+            int8 in blocks of 32 from its loaded values: exactly the file's numbers when the
+            file stores it (or the tied token embedding) as Q8_0, as llama.cpp serves it.
         activations: group-wise int8 only: "int8" rounds a decode step's activations to
             int8 per block of 32 (the `gemv_int8_q8` kernel; W8A8 dynamic), "none" keeps them
             float (weight-only); "auto": DEFAULT_INT8_ACTIVATIONS. Prefill steps round x the
@@ -67,9 +69,6 @@ class QuantizationConfig:
         if self.method == "gguf" and self.group_size is not None:
             raise ValueError("quantization_group_size cannot be set with quantization='gguf' "
                              "(the file's blocks of 32 are served as they are)")
-        if self.method == "gguf" and self.quantize_lm_head:
-            raise ValueError("quantize_lm_head applies to quantization='int8' or 'int4', not 'gguf' "
-                             "(the LM head is loaded dequantized)")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"quantization_activations must be one of {', '.join(ACTIVATIONS)}, "
                              f"got {self.activations!r}")

@@ -17,7 +17,7 @@ from torch import nn
 from pagedserve import LLM, SamplingParams
 from pagedserve.models.layers.linear import LinearBase
 from pagedserve.models.loader import load_model
-from pagedserve.quantization import gemv
+from pagedserve.quantization import QuantizationConfig, gemv
 
 gguf = pytest.importorskip("gguf")
 
@@ -27,9 +27,10 @@ PARTS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_outpu
 ENGINE = {"dtype": "float32", "skip_tokenizer_init": True, "kv_cache_memory_bytes": 4 << 20}
 
 
-def write_gguf(path, linear_type: str, types: dict[tuple[int, str], str] | None = None) -> None:
+def write_gguf(path, linear_type: str, types: dict[tuple[int, str], str] | None = None,
+               output_type: str = "F16") -> None:
     """A random 2-layer Llama GGUF: every linear weight `linear_type` unless `types` says
-    otherwise for (layer, part); F32 norms, Q8_0 embedding, F16 output head."""
+    otherwise for (layer, part); F32 norms, Q8_0 embedding, an `output_type` output head."""
     rng = np.random.default_rng(1)
     writer = llama_gguf_writer(path, "llama", LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB)
 
@@ -55,7 +56,7 @@ def write_gguf(path, linear_type: str, types: dict[tuple[int, str], str] | None 
         for part, shape in shapes.items():
             add(f"blk.{i}.{part}.weight", shape, (types or {}).get((i, part), linear_type))
     add("output_norm.weight", (HIDDEN,), "F32", offset=1.0)
-    add("output.weight", (VOCAB, HIDDEN), "F16", scale=0.5)
+    add("output.weight", (VOCAB, HIDDEN), output_type, scale=0.5)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -153,8 +154,8 @@ def _hf_greedy(model: nn.Module, prompt: list[int], new_tokens: int) -> list[int
 PROMPTS = [[5, 9, 33, 120], list(range(3, 30)), [7]]
 
 
-def _engine_greedy(path, prompts: list[list[int]]) -> list[list[int]]:
-    llm = LLM(str(path), quantization="gguf", **ENGINE)
+def _engine_greedy(path, prompts: list[list[int]], **kwargs) -> list[list[int]]:
+    llm = LLM(str(path), quantization="gguf", **ENGINE, **kwargs)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -164,6 +165,22 @@ def test_q8_0_greedy_equals_transformers_on_the_file(gguf_files):
     path = gguf_files["Q8_0"]
     reference = _reference_with(path)
     assert _engine_greedy(path, PROMPTS) == [_hf_greedy(reference, p, 12) for p in PROMPTS]
+
+
+def test_a_q8_0_head_is_served_as_the_files_blocks(tmp_path):
+    """quantize_lm_head with gguf: the head in int8 blocks of 32 holds exactly the file's Q8_0
+    numbers (requantizing q * d gives q and d back), and serves transformers' tokens."""
+    path = tmp_path / "q8head" / "tiny.gguf"
+    path.parent.mkdir()
+    write_gguf(path, "Q4_1", output_type="Q8_0")
+    model, _ = load_model(path, torch.float32, torch.device("cpu"),
+                          QuantizationConfig("gguf", quantize_lm_head=True))
+    head = model.lm_head
+    assert head.quant_method.name == "int8-grouped"
+    assert torch.equal(head.quant_method.dequantized_weight(head), _gguf_weights(path)["lm_head.weight"])
+    ours = {name: w for name, (_, w) in _our_layers(path).items() if w is not None}
+    reference = _reference_with(path, ours)
+    assert _engine_greedy(path, PROMPTS, quantize_lm_head=True) == [_hf_greedy(reference, p, 12) for p in PROMPTS]
 
 
 def test_q4_1_greedy_equals_transformers(gguf_files):
@@ -216,8 +233,6 @@ def test_gguf_quantization_refuses_other_models_and_settings(model_path):
         LLM(model_path("llama-gqa"), quantization="gguf", **ENGINE)
     with pytest.raises(ValueError, match="quantization_group_size"):
         LLM(model_path("llama-gqa"), quantization="gguf", quantization_group_size=64, **ENGINE)
-    with pytest.raises(ValueError, match="quantize_lm_head"):
-        LLM(model_path("llama-gqa"), quantization="gguf", quantize_lm_head=True, **ENGINE)
 
 
 def test_gguf_quantization_refuses_tensor_parallelism(gguf_files):
