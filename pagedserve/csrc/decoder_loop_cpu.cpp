@@ -16,7 +16,8 @@
 // each of qkv_proj, o_proj, gate_up_proj, down_proj the tensors of its small-step call and of
 // its large-step call; `layout` gives per linear (small op, tensor count, large op, tensor
 // count): a step of at most `max_small_rows` tokens makes the small call (a GEMV), a larger
-// one the large call (oneDNN's packed GEMM or aten::linear; op -1 = none: the Python side
+// one the large call (oneDNN's packed GEMM or aten::linear, possibly on float32-widened
+// operands; op -1 = none: the Python side
 // never sends such a step). Each call's tensors are the op's arguments after x, bias last
 // when present (op codes: kLinearOps).
 
@@ -46,8 +47,9 @@ constexpr const char* kLinearOps[] = {
     "pagedserve_gemv::gemv_int4_grouped",  // 3: (x, q, scales_zeros, bias?)
     "aten::linear",                        // 4: (x, w, bias?)
     "mkldnn::_linear_pointwise",           // 5: (x, packed w, bias?), attr "none", as packed.py calls it
+    "aten::linear",                        // 6: (x, w, bias?) all widened to float32, y back in x's dtype
 };
-constexpr int kNumLinearOps = 6;
+constexpr int kNumLinearOps = 7;
 constexpr int kLinearsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
 
 template <class Fn>
@@ -102,6 +104,10 @@ Tensor run_linear(const Ops& o, const Linear& l, const Tensor& x) {
   switch (l.op) {
     case 0: return o.dense.call(x, l.args[0], bias);
     case 4: return o.linear.call(x, l.args[0], bias);
+    case 6: {  // packed.py's bf16 GEMM without bf16 instructions: the same ops, in order
+      const OptTensor b = bias.has_value() ? OptTensor(bias->to(at::kFloat)) : std::nullopt;
+      return o.linear.call(x.to(at::kFloat), l.args[0].to(at::kFloat), b).to(x.scalar_type());
+    }
     case 5: {
       torch::jit::Stack stack{x, l.args[0], bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
                               c10::IValue("none"), c10::IValue(c10::List<std::optional<c10::Scalar>>()),

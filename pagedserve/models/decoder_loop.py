@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 # The C++ loop's op codes (kLinearOps in decoder_loop_cpu.cpp).
 DECODE_OPS = {"gemv_dense": 0, "gemv_int8_grouped": 1, "gemv_int8_q8": 2, "gemv_int4_grouped": 3}
-GEMM_OPS = {"linear": 4, "mkldnn_linear": 5}
+GEMM_OPS = {"linear": 4, "mkldnn_linear": 5, "linear_widened": 6}
 NO_CALL = -1
 _DTYPES = (torch.float32, torch.bfloat16)
 

@@ -73,8 +73,9 @@ class LinearMethod(ABC):
         return None
 
     def gemm_op(self, layer: nn.Module) -> LinearCall | None:
-        """The same for x of more rows: "linear" (aten::linear) or "mkldnn_linear" (oneDNN's
-        prepacked GEMM) and its arguments after x; None when `apply` does more than one op."""
+        """The same for x of more rows: "linear" (aten::linear), "linear_widened" (aten::linear
+        on x, W and b widened to float32, the result back in x's dtype) or "mkldnn_linear"
+        (oneDNN's prepacked GEMM) and its arguments after x; None when `apply` does more."""
         return None
 
     def add_to_weight(self, layer: nn.Module, delta: torch.Tensor) -> None:
