@@ -16,10 +16,12 @@ A model whose methods have no single-op GEMM call (group-wise int8 / int4 chunk 
 above 8 rows) runs its steps of more than 8 tokens through its own forward.
 
 It is built once, after the weights are processed (`build`), and only where every piece has
-its C++ path: a Llama / Mistral / Qwen2 model on CPU, one rank, no LoRA, the C++ attention
+its C++ path: a Llama / Mistral / Qwen2 model on CPU, one rank, the C++ attention
 backend with a float32 / bfloat16 KV cache in the model's dtype, the fused norm / rotary /
 SiLU ops, and every linear layer a method whose decode-sized call is one GEMV op
 (`LinearMethod.decode_op`; `gemm_op` for larger steps). Otherwise `build` says why and the runner keeps the Python path.
+With LoRA enabled it runs the steps that carry no adapter token (a LoRA wrapper then computes
+its base layer alone, which the loop calls); steps with adapter tokens keep the Python layers.
 `PAGEDSERVE_DECODER_LOOP=off` turns it off, `=cpp` makes a model that cannot use it an error.
 The weights are captured at build: layers whose weights change later (merging an adapter)
 need a new loop.
@@ -71,7 +73,7 @@ class DecoderLoop:
 
     @classmethod
     def build(cls, model: nn.Module, backend: AttentionBackend, kv_dtype: torch.dtype,
-              dtype: torch.dtype, device: torch.device, tp_size: int, lora: bool) -> DecoderLoop | None:
+              dtype: torch.dtype, device: torch.device, tp_size: int) -> DecoderLoop | None:
         """The loop for this loaded model, or None (the reason logged) when it cannot run it.
 
         Raises:
@@ -81,7 +83,7 @@ class DecoderLoop:
         choice = envs.decoder_loop()
         if choice == "off":
             return None
-        reason = _why_not(model, backend, kv_dtype, dtype, device, tp_size, lora)
+        reason = _why_not(model, backend, kv_dtype, dtype, device, tp_size)
         if reason is None:
             loaded = cpp_build.load(cpp_build.DECODER_LOOP)
             if loaded.ops is None and choice == "cpp":
@@ -96,10 +98,11 @@ class DecoderLoop:
         any_size = all(layout[i] != NO_CALL for i in range(2, len(layout), 4))
         return cls(model, backend, loaded.ops, weights, layout, None if any_size else gemv.MAX_ROWS)
 
-    def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """Whether this step can run here: a size every linear has a call for, and the
-        backend's own metadata (its torch fallback is for dtypes the loop never sees)."""
-        if num_tokens <= 0 or (self.max_tokens is not None and num_tokens > self.max_tokens):
+    def takes(self, num_tokens: int, meta: AttentionMetadata, adapter_tokens: bool = False) -> bool:
+        """Whether this step can run here: a size every linear has a call for, no token of a
+        LoRA adapter (the loop runs the base layers only), and the backend's own metadata (its
+        torch fallback is for dtypes the loop never sees)."""
+        if num_tokens <= 0 or adapter_tokens or (self.max_tokens is not None and num_tokens > self.max_tokens):
             return False
         return getattr(meta, "backend", None) is self.backend
 
@@ -120,7 +123,7 @@ class DecoderLoop:
 
 
 def _why_not(model: nn.Module, backend: AttentionBackend, kv_dtype: torch.dtype, dtype: torch.dtype,
-             device: torch.device, tp_size: int, lora: bool) -> str | None:
+             device: torch.device, tp_size: int) -> str | None:
     """Why the loop cannot run this model, or None when it can."""
     from pagedserve.attention.cpp_paged import CppPagedAttentionBackend
     from pagedserve.models.layers.linear import LinearBase
@@ -131,8 +134,8 @@ def _why_not(model: nn.Module, backend: AttentionBackend, kv_dtype: torch.dtype,
         return f"{type(model).__name__} is not a Llama-family model"
     if device.type != "cpu" or dtype not in _DTYPES:
         return f"it runs float32 / bfloat16 models on CPU, not {dtype} on {device.type}"
-    if tp_size != 1 or lora:
-        return "tensor parallelism and LoRA keep the Python layers"
+    if tp_size != 1:
+        return "tensor parallelism keeps the Python layers"
     if not isinstance(backend, CppPagedAttentionBackend) or not backend.fused_cache_write:
         return f"the attention backend is {backend.name}, not the C++ one"
     if backend.ops is not cpp_build.load(cpp_build.PAGED_ATTENTION).ops:
@@ -164,8 +167,12 @@ def _why_not(model: nn.Module, backend: AttentionBackend, kv_dtype: torch.dtype,
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
-    """qkv_proj, o_proj, gate_up_proj, down_proj: the C++ loop's order."""
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    """qkv_proj, o_proj, gate_up_proj, down_proj: the C++ loop's order; a LoRA wrapper's base
+    layer (what the wrapper runs alone in a step without adapter tokens)."""
+    from pagedserve.lora.layers import LoRALinear
+
+    modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    return tuple(m.base if isinstance(m, LoRALinear) else m for m in modules)
 
 
 def _flatten(model: nn.Module) -> tuple[list[torch.Tensor], list[int]]:

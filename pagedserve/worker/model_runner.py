@@ -182,11 +182,11 @@ class ModelRunner:
                 self.model, compilation.compile_sizes, device, dict(compilation.inductor_compile_config))
         # Small eager steps: the decoder layers in one C++ call where the model allows it.
         self.decoder_loop = None if self.compiled is not None else DecoderLoop.build(
-            self.model, self.backend, self.kv_dtype, dtype, device, self.tp_group.size, lora_dtype is not None)
+            self.model, self.backend, self.kv_dtype, dtype, device, self.tp_group.size)
 
     def _run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata,
-        attn_metadata: AttentionMetadata,
+        attn_metadata: AttentionMetadata, lora_segments: LoRASegments | None = None,
     ) -> torch.Tensor:
         """The step's forward: the compiled decode graph or the C++ decoder loop when one takes
         the step, else the eager model."""
@@ -194,7 +194,8 @@ class ModelRunner:
             hidden = self.compiled(input_ids, positions, attn_metadata, self.kv_caches)
             if hidden is not None:
                 return hidden
-        if self.decoder_loop is not None and self.decoder_loop.takes(common.num_tokens, attn_metadata):
+        adapter_tokens = lora_segments is not None and lora_segments.num_segments > 0
+        if self.decoder_loop is not None and self.decoder_loop.takes(common.num_tokens, attn_metadata, adapter_tokens):
             return self.decoder_loop(input_ids, positions, attn_metadata)
         return self.model(input_ids, positions, attn_metadata)
 
@@ -308,7 +309,7 @@ class ModelRunner:
             lora_segments = self.lora_segments(sched)
             prepared = time.perf_counter()
             with lora_step(lora_segments):
-                hidden = self._run_model(input_ids, positions, common, attn_metadata)
+                hidden = self._run_model(input_ids, positions, common, attn_metadata, lora_segments)
         else:
             prepared = time.perf_counter()
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, LoRARequest, SamplingParams
 
 from hf_reference import hf_greedy, make_prompts
+from lora_utils import make_peft_adapter
 
 NEW = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, min_tokens=NEW, logprobs=3)
@@ -78,9 +79,6 @@ def test_models_the_loop_cannot_run_keep_the_python_layers(model_path, monkeypat
     # Forced, the same model is an error that names the reason.
     with pytest.raises(ValueError, match="PAGEDSERVE_DECODER_LOOP=cpp.*attention backend"):
         _llm(path, "cpp", monkeypatch, kv_cache_dtype="int8")
-    # LoRA keeps the Python layers (its wrappers add each adapter's delta).
-    lora = _llm(path, "auto", monkeypatch, enable_lora=True, max_lora_rank=8)
-    assert lora.llm_engine.runner.decoder_loop is None
 
 
 def test_non_llama_models_keep_the_python_layers(model_path, monkeypatch):
@@ -88,3 +86,29 @@ def test_non_llama_models_keep_the_python_layers(model_path, monkeypatch):
     assert llm.llm_engine.runner.decoder_loop is None
     with pytest.raises(ValueError, match="not a Llama-family model"):
         _llm(model_path("opt"), "cpp", monkeypatch)
+
+
+def test_lora_engines_run_base_steps_in_the_loop(model_path, monkeypatch, tmp_path):
+    """With LoRA on, steps without adapter tokens run the loop (the wrappers' base layers);
+    steps with them keep the Python layers. Both equal an engine without the loop."""
+    path = model_path("llama-gqa")
+    adapter = LoRARequest("attn", 1, make_peft_adapter(path, tmp_path / "attn", 8, ["q_proj", "v_proj", "o_proj"]))
+    kwargs = {"enable_lora": True, "max_lora_rank": 8}
+    with_loop = _llm(path, "cpp", monkeypatch, **kwargs)
+    without = _llm(path, "off", monkeypatch, **kwargs)
+    loop = with_loop.llm_engine.runner.decoder_loop
+    prompts = make_prompts(with_loop.llm_engine.vocab_size, lengths=[6, 13], seed=3)
+    base_out = _run(with_loop, prompts)
+    base_calls = loop.calls
+    assert base_calls >= NEW - 1
+    lora_out = with_loop.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                                  lora_request=adapter)
+    assert loop.calls == base_calls  # every step carried adapter tokens
+    ref_base = _run(without, prompts)
+    ref_lora = without.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                                lora_request=adapter)
+    for a, b in zip(base_out + lora_out, ref_base + ref_lora, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    # The adapter changes the output (the LoRA path really ran).
+    assert [o.outputs[0].token_ids for o in lora_out] != [o.outputs[0].token_ids for o in base_out]
