@@ -10,7 +10,8 @@ For each (shape, dtype, rows) the old path and the new one are timed alternately
 process (old, new, old, new, ...), each sample a few back-to-back calls, so a neighbour's
 load hits both alike; the median of the per-pair ratios old/new is reported beside each
 path's median time and the GB/s it reads the weight at. Old paths: oneDNN's prepacked
-GEMM for float32/bfloat16 (what `PackedLinearMethod` runs), and for int8 the engine's own
+GEMM for float32/bfloat16 (what `PackedLinearMethod` runs; bf16 where oneDNN has no bf16 GEMM:
+F.linear on the widened weight, as it runs there), and for int8 the engine's own
 GEMM path (`Int8LinearMethod` with the GEMV off: the AVX512-BF16 C++ kernel where it runs,
 else torch's `_weight_int8pack_mm`).
 
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,8 +77,11 @@ def paired(old: Callable[[], object], new: Callable[[], object], pairs: int, cal
 
 
 def dense_pair(w: torch.Tensor, x: torch.Tensor) -> tuple[Callable[[], object], Callable[[], object]]:
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
     tiles = gemv.pack_tiles(w)
+    if not onednn_packs(w.dtype):  # bf16 without oneDNN's bf16 GEMM: packed.py's widened F.linear
+        wide = w.float()
+        return lambda: F.linear(x.float(), wide).to(x.dtype), lambda: gemv.dense(x, tiles, None)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
     return (
         lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
         lambda: gemv.dense(x, tiles, None),
@@ -161,8 +166,7 @@ def main() -> None:
     if args.quick:
         shapes, rows, pairs = SHAPES[:2], [1], 5
     dense = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    dtypes = [dense.get(kind, kind) for kind in args.kinds
-              if kind not in dense or onednn_packs(dense[kind])]
+    dtypes = [dense.get(kind, kind) for kind in args.kinds]
     print(f"threads={args.threads}  ratio = old / new time (median of {pairs} alternating pairs)")
     print(f"{'shape':18} {'dtype':22} {'rows':>4} {'old us':>9} {'new us':>9} {'old GB/s':>9} {'new GB/s':>9} {'ratio':>6}")
     g = torch.Generator().manual_seed(0)
