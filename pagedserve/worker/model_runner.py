@@ -474,7 +474,7 @@ class ModelRunner:
         assert self.tp_workers is None, "a draft model runs on one rank"
         input_ids, positions, common, logits_indices = self._batch_tensors(self._step_batch(sched, last_only=True))
         attn_metadata = self.backend.build_metadata(common)
-        hidden = self.model(input_ids, positions, attn_metadata)
+        hidden = self._run_model(input_ids, positions, common, attn_metadata)
         return self.model.compute_logits(hidden[logits_indices])
 
     def _verify(
