@@ -15,6 +15,7 @@ inputs (`StepBatch`, block copies) and each LM-head call's rows to the other ran
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -531,20 +532,20 @@ class ModelRunner:
         token_ids, positions, query_lens = batch.token_ids, batch.positions, batch.query_lens
         seq_lens, logits_indices = batch.seq_lens, batch.logits_indices
         block_tables = torch.tensor(batch.block_tables, dtype=torch.int64)
-        positions_t = torch.tensor(positions, dtype=torch.int64)
-        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
         # Each token's slot: its request's block for (position // block_size), plus the offset.
-        request_index = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens_t)
+        # Host integer arithmetic: at a decode step's few tokens it is ~10x cheaper than the ~10
+        # tiny torch ops it replaces (~0.1 ms a step); at a 2048-token prefill it is ~0.5 ms.
         bs = self.block_size
-        slot_mapping = block_tables[request_index, positions_t // bs] * bs + positions_t % bs
+        slots = [table[p // bs] * bs + p % bs
+                 for table, q, s in zip(batch.block_tables, query_lens, seq_lens, strict=True)
+                 for p in range(s - q, s)]
         common = CommonAttentionMetadata(
             num_tokens=len(token_ids),
             num_seqs=len(query_lens),
             block_size=bs,
-            slot_mapping=slot_mapping.to(self.device),
-            query_start_loc=query_start_loc.to(self.device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int64,
+                                         device=self.device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
             block_tables=block_tables.to(self.device),
             query_lens_list=query_lens,
@@ -554,7 +555,8 @@ class ModelRunner:
         )
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         logits_idx = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
-        return input_ids, positions_t.to(self.device), common, logits_idx
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        return input_ids, positions_t, common, logits_idx
 
     @staticmethod
     def _copy_blocks(
