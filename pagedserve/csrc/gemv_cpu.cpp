@@ -510,6 +510,13 @@ void int8_q8_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& s
   });
 }
 
+#else  // no AVX2: the kernels are never reached (run_grouped refuses first); these keep the ops compiling
+
+void int8_grouped_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&) {}
+template <class Param>
+void int4_grouped_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&) {}
+void int8_q8_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&) {}
+
 #endif  // PAGEDSERVE_AVX2
 
 // x (..., K) as a contiguous (M, K) matrix (a view when it already is one): the reshape
@@ -617,67 +624,70 @@ void check_grouped(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   check_x_scales_bias(x, q.size(0), scales, bias, op);
 }
 
-at::Tensor gemv_int8_grouped(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
-                             const c10::optional<at::Tensor>& bias) {
-  const at::Tensor x = rows_view(x_in, "gemv_int8_grouped");
-  check_grouped(x, q, scale, kTile, bias, "gemv_int8_grouped");
-  TORCH_CHECK(q.scalar_type() == at::kChar, "gemv_int8_grouped: q must be int8");
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(2) == kTile,
-              "gemv_int8_grouped: scale must be (N/16, K/group, 16) float16");
-  at::Tensor y = at::empty(out_shape(x_in, q.size(0) * kTile), x.options());
+// The group-wise ops' common run: y (x's rows, 16 * tiles) in x's dtype; impl(x as contiguous
+// float32, the bias as float32 or nullptr, y) fills it.
+template <class Impl>
+at::Tensor run_grouped(const at::Tensor& x_in, const at::Tensor& x, int64_t tiles,
+                       const c10::optional<at::Tensor>& bias, const char* op, Impl impl) {
+  at::Tensor y = at::empty(out_shape(x_in, tiles * kTile), x.options());
 #if defined(PAGEDSERVE_AVX2)
   if (x.size(0) == 0) return y;
   at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  int8_grouped_impl(x_as_float(x, false).contiguous(), q, scale, bf.defined() ? bf.data_ptr<float>() : nullptr, y);
+  impl(x_as_float(x, false).contiguous(), bf.defined() ? bf.data_ptr<float>() : nullptr, y);
 #else
-  TORCH_CHECK(false, "gemv_int8_grouped: this build has no AVX2/FMA support");
+  TORCH_CHECK(false, op, ": this build has no AVX2/FMA support");
 #endif
   return y;
+}
+
+// The int8 layouts' scales: (N/16, K/group, 16) float16.
+void check_int8_scales(const at::Tensor& scale, const char* op) {
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(2) == kTile, op,
+              ": scale must be (N/16, K/group, 16) float16");
+}
+
+at::Tensor gemv_int8_grouped(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
+                             const c10::optional<at::Tensor>& bias) {
+  const char* op = "gemv_int8_grouped";
+  const at::Tensor x = rows_view(x_in, op);
+  check_grouped(x, q, scale, kTile, bias, op);
+  TORCH_CHECK(q.scalar_type() == at::kChar, op, ": q must be int8");
+  check_int8_scales(scale, op);
+  return run_grouped(x_in, x, q.size(0), bias, op, [&](const at::Tensor& xf, const float* bd, at::Tensor& y) {
+    int8_grouped_impl(xf, q, scale, bd, y);
+  });
 }
 
 at::Tensor gemv_int8_q8(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
                         const c10::optional<at::Tensor>& bias) {
-  const at::Tensor x = rows_view(x_in, "gemv_int8_q8");
+  const char* op = "gemv_int8_q8";
+  const at::Tensor x = rows_view(x_in, op);
   TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 4 && q.is_contiguous() && q.size(1) * 4 == x.size(1) &&
                   q.size(2) == kTile && q.size(3) == 4,
-              "gemv_int8_q8: q must be contiguous int8 quad tiles (N/16, K/4, 16, 4) with K = x.size(-1)");
-  check_x_scales_bias(x, q.size(0), scale, bias, "gemv_int8_q8");
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(2) == kTile,
-              "gemv_int8_q8: scale must be (N/16, K/group, 16) float16");
-  at::Tensor y = at::empty(out_shape(x_in, q.size(0) * kTile), x.options());
-#if defined(PAGEDSERVE_AVX2)
-  if (x.size(0) == 0) return y;
-  at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  int8_q8_impl(x_as_float(x, false).contiguous(), q, scale, bf.defined() ? bf.data_ptr<float>() : nullptr, y);
-#else
-  TORCH_CHECK(false, "gemv_int8_q8: this build has no AVX2/FMA support");
-#endif
-  return y;
+              op, ": q must be contiguous int8 quad tiles (N/16, K/4, 16, 4) with K = x.size(-1)");
+  check_x_scales_bias(x, q.size(0), scale, bias, op);
+  check_int8_scales(scale, op);
+  return run_grouped(x_in, x, q.size(0), bias, op, [&](const at::Tensor& xf, const float* bd, at::Tensor& y) {
+    int8_q8_impl(xf, q, scale, bd, y);
+  });
 }
 
 at::Tensor gemv_int4_grouped(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales_zeros,
                              const c10::optional<at::Tensor>& bias) {
-  const at::Tensor x = rows_view(x_in, "gemv_int4_grouped");
-  check_grouped(x, q, scales_zeros, kTile / 2, bias, "gemv_int4_grouped");
-  TORCH_CHECK(q.scalar_type() == at::kByte, "gemv_int4_grouped: q must be uint8");
+  const char* op = "gemv_int4_grouped";
+  const at::Tensor x = rows_view(x_in, op);
+  check_grouped(x, q, scales_zeros, kTile / 2, bias, op);
+  TORCH_CHECK(q.scalar_type() == at::kByte, op, ": q must be uint8");
   const bool gguf_form = scales_zeros.scalar_type() == at::kHalf;
   TORCH_CHECK((gguf_form || scales_zeros.scalar_type() == at::kBFloat16) && scales_zeros.dim() == 4 &&
                   scales_zeros.size(2) == 2 && scales_zeros.size(3) == kTile,
-              "gemv_int4_grouped: scales_zeros must be (N/16, K/group, 2, 16) bfloat16 (scale, zero) "
-              "or float16 (d, m)");
-  at::Tensor y = at::empty(out_shape(x_in, q.size(0) * kTile), x.options());
-#if defined(PAGEDSERVE_AVX2)
-  if (x.size(0) == 0) return y;
-  at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* bd = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  if (gguf_form)
-    int4_grouped_impl<c10::Half>(x_as_float(x, false).contiguous(), q, scales_zeros, bd, y);
-  else
-    int4_grouped_impl<bf16>(x_as_float(x, false).contiguous(), q, scales_zeros, bd, y);
-#else
-  TORCH_CHECK(false, "gemv_int4_grouped: this build has no AVX2/FMA support");
-#endif
-  return y;
+              op, ": scales_zeros must be (N/16, K/group, 2, 16) bfloat16 (scale, zero) or float16 (d, m)");
+  return run_grouped(x_in, x, q.size(0), bias, op, [&](const at::Tensor& xf, const float* bd, at::Tensor& y) {
+    if (gguf_form)
+      int4_grouped_impl<c10::Half>(xf, q, scales_zeros, bd, y);
+    else
+      int4_grouped_impl<bf16>(xf, q, scales_zeros, bd, y);
+  });
 }
 
 bool available() {
