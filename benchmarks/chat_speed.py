@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -103,14 +102,14 @@ class LlamaCpp:
 
 # ---- pagedserve side ------------------------------------------------------------------------
 
-def build_llm(path: str, kwargs: dict, loop: str | None):
+def build_llm(path: str, kwargs: dict, env: dict[str, str]):
+    """An engine built under the PAGEDSERVE_* variables `env` (read at load)."""
+    from latency import env_vars
+
     from pagedserve import LLM
 
-    if loop is None:
-        os.environ.pop("PAGEDSERVE_DECODER_LOOP", None)
-    else:
-        os.environ["PAGEDSERVE_DECODER_LOOP"] = loop
-    return LLM(path, max_model_len=512, kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False, **kwargs)
+    with env_vars(env):
+        return LLM(path, max_model_len=512, kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False, **kwargs)
 
 
 def pagedserve_decode(llm, tokens: int) -> float:
@@ -156,9 +155,9 @@ def main() -> None:
     for name in args.configs:
         kwargs, suffix = CONFIGS[name]
         model = source if kwargs.get("quantization") == "gguf" else path
-        sides: dict[str, object] = {"pagedserve": build_llm(model, kwargs, None)}
+        sides: dict[str, object] = {"pagedserve": build_llm(model, kwargs, {})}
         if args.loop_off:
-            sides["pagedserve, Python layers"] = build_llm(model, kwargs, "off")
+            sides["pagedserve, Python layers"] = build_llm(model, kwargs, {"PAGEDSERVE_DECODER_LOOP": "off"})
         gguf = source if suffix == "source" else str(Path(args.gguf_dir) / GGUF_NAME.format(suffix))
         if llama is not None:
             llama.ask({"load": gguf})

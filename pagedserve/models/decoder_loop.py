@@ -6,11 +6,11 @@ long as reading the weights. `DecoderLoop` hands the whole layer stack to
 pagedserve/csrc/decoder_loop_cpu.cpp, which calls the same registered C++ ops in the same
 order with the same arguments, so the hidden states are the Python layers' bit for bit:
 
-    embed_tokens, rotary_emb (cos, sin)                 Python, once a step
-    every layer                                          one C++ call
+    embed_tokens, rotary_emb (cos, sin)                 Python, once a step (LlamaModel.forward)
+    every layer                                          one C++ call (its `layer_stack`)
         each linear layer: T <= gemv.MAX_ROWS tokens     its method's GEMV (`decode_op`)
                            more                          its method's GEMM (`gemm_op`)
-    final norm                                           Python
+    final norm                                           Python (LlamaModel.forward)
 
 A model whose methods have no single-op GEMM call (group-wise int8 / int4 chunk or dequantize
 above 8 rows) runs its steps of more than 8 tokens through its own forward.
@@ -49,27 +49,30 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 class DecoderLoop:
-    """Runs `model.model.layers` for a step in one C++ call (steps of at most `max_tokens`).
-
-    Use `build`, which checks that every piece of the model has its C++ path."""
+    """Runs `model.model.layers` for a step in one C++ call (steps of at most `max_tokens`):
+    the `layer_stack` of LlamaModel.forward. Use `build`, which checks that every piece of
+    the model has its C++ path, then `bind` the KV caches."""
 
     def __init__(self, model: nn.Module, backend: Any, ops: Any, weights: list[torch.Tensor],
                  layout: list[int], max_tokens: int | None) -> None:
-        inner = model.model
-        attn = inner.layers[0].self_attn
-        self.model = inner
+        attn = model.model.layers[0].self_attn
         self.backend = backend
         self.ops = ops
         self.weights = weights
         self.layout = layout
-        self.attn_layers = [layer.self_attn.attn for layer in inner.layers]
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.heads_per_task = backend.heads_per_task or attn.num_kv_heads  # as the backend's forward
         self.scale = float(attn.attn.scale)
-        self.eps = float(inner.layers[0].input_layernorm.eps)
+        self.eps = float(model.model.layers[0].input_layernorm.eps)
         # None: any step (every linear has a GEMM call); else gemv.MAX_ROWS.
         self.max_tokens = max_tokens
+        self.kv_caches: list[torch.Tensor] = []
         # Steps this loop ran (read by tests and benchmarks).
         self.calls = 0
+
+    def bind(self, kv_caches: list[torch.Tensor]) -> None:
+        """The runner's per-layer KV caches (layer order), once they are allocated."""
+        self.kv_caches = kv_caches
 
     @classmethod
     def build(cls, model: nn.Module, backend: AttentionBackend, kv_dtype: torch.dtype,
@@ -94,8 +97,7 @@ class DecoderLoop:
                 raise ValueError(f"PAGEDSERVE_DECODER_LOOP=cpp, but {reason}")
             logger.info("decoder loop off: %s", reason)
             return None
-        weights, layout = _flatten(model)
-        any_size = all(layout[i] != NO_CALL for i in range(2, len(layout), 4))
+        weights, layout, any_size = _flatten(model)
         return cls(model, backend, loaded.ops, weights, layout, None if any_size else gemv.MAX_ROWS)
 
     def takes(self, num_tokens: int, meta: AttentionMetadata, adapter_tokens: bool = False) -> bool:
@@ -106,20 +108,16 @@ class DecoderLoop:
             return False
         return getattr(meta, "backend", None) is self.backend
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        """The model's forward (final norm applied) for a step `takes` accepted."""
-        inner = self.model
-        hidden = inner.embed_tokens(input_ids)
-        cos, sin = inner.rotary_emb(positions, hidden.dtype)
-        hidden, residual = self.ops.decoder_layers(
-            hidden, cos.contiguous(), sin.contiguous(), self.weights, self.layout,
-            [layer.kv_cache for layer in self.attn_layers], meta.slot_mapping, meta.block_tables,
-            meta.seq_lens, meta.query_start_loc, meta.items, meta.merges, meta.num_parts, meta.max_q,
-            self.num_heads, self.num_kv_heads, self.head_dim,
-            self.backend.heads_per_task or self.num_kv_heads, self.scale, self.eps, gemv.MAX_ROWS)
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer of a step `takes` accepted: (hidden, residual) before the final
+        norm, as LlamaModel.run_layers gives them."""
         self.calls += 1
-        hidden, _ = inner.norm(hidden, residual)
-        return hidden
+        return self.ops.decoder_layers(
+            hidden, cos.contiguous(), sin.contiguous(), self.weights, self.layout, self.kv_caches,
+            meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.items,
+            meta.merges, meta.num_parts, meta.max_q, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.heads_per_task, self.scale, self.eps, gemv.MAX_ROWS)
 
 
 def _why_not(model: nn.Module, backend: AttentionBackend, kv_dtype: torch.dtype, dtype: torch.dtype,
@@ -175,11 +173,12 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
     return tuple(m.base if isinstance(m, LoRALinear) else m for m in modules)
 
 
-def _flatten(model: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
+def _flatten(model: nn.Module) -> tuple[list[torch.Tensor], list[int], bool]:
     """The C++ loop's `weights` and `layout` (decoder_loop_cpu.cpp's header): per linear its
-    decode call, then its GEMM call or none."""
+    decode call, then its GEMM call or none; and whether every linear has a GEMM call."""
     weights: list[torch.Tensor] = []
     layout: list[int] = []
+    any_size = True
     for layer in model.model.layers:
         weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
         for linear in _linears(layer):
@@ -189,8 +188,9 @@ def _flatten(model: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
             gemm = linear.quant_method.gemm_op(linear)
             if gemm is None:
                 layout += [NO_CALL, 0]
+                any_size = False
                 continue
             layout += [GEMM_OPS[gemm[0]], len(gemm[1])]
             weights += [t.detach() if t.layout == torch.strided else t for t in gemm[1]]
-    return weights, layout
+    return weights, layout, any_size
 

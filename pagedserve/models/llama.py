@@ -13,6 +13,7 @@ Forward over the flat batch (no padding; see attention/metadata.py):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -31,6 +32,10 @@ from pagedserve.models.layers.linear import (
     RowParallelLinear,
 )
 from pagedserve.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+# (hidden, cos, sin, meta) -> (hidden, residual): the decoder layers of one step.
+LayerStack = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor]]
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -125,15 +130,25 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        layer_stack: LayerStack | None = None,
     ) -> torch.Tensor:
+        """`layer_stack`: runs every decoder layer instead of `run_layers` (the C++ decoder
+        loop, models/decoder_loop.py)."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # once per step, shared by all layers
+        hidden, residual = (layer_stack or self.run_layers)(hidden, cos, sin, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def run_layers(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer: (hidden, residual) before the final norm."""
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, meta)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -175,9 +190,10 @@ class LlamaForCausalLM(nn.Module):
             )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        layer_stack: LayerStack | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta, layer_stack)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (n, hidden_size) -> logits (n, vocab_size), float32 (None on ranks > 0)."""

@@ -197,7 +197,7 @@ class ModelRunner:
                 return hidden
         adapter_tokens = lora_segments is not None and lora_segments.num_segments > 0
         if self.decoder_loop is not None and self.decoder_loop.takes(common.num_tokens, attn_metadata, adapter_tokens):
-            return self.decoder_loop(input_ids, positions, attn_metadata)
+            return self.model(input_ids, positions, attn_metadata, layer_stack=self.decoder_loop)
         return self.model(input_ids, positions, attn_metadata)
 
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -234,6 +234,8 @@ class ModelRunner:
             layer.kv_cache = cache
         for wrapper in self.lora_layers:
             wrapper.bind(self.kv_caches[wrapper.layer_idx], self.lora_dtype)
+        if self.decoder_loop is not None:
+            self.decoder_loop.bind(self.kv_caches)
 
     def lora_block_elems(self) -> int:
         """LoRA-dtype elements one KV block holds in each half (K or V) of a layer's cache."""
