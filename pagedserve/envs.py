@@ -20,6 +20,9 @@ fails the engine's construction (`cpp_build.KernelUnavailable`); unset, a fallba
     PAGEDSERVE_DECODER_LOOP        "cpp" | "off" | unset (auto: cpp where the model and its
                                    kernels allow): a Llama-family model's decoder layers in
                                    one C++ call a step (see models/decoder_loop.py)
+    PAGEDSERVE_HUGE_PAGES          "on" | "off" | unset (auto: on where Linux offers
+                                   transparent huge pages): CPU weights and KV cache in 2 MiB
+                                   pages (see worker/huge_pages.py)
     PAGEDSERVE_TP_TIMEOUT_S        seconds (default 120): tensor parallelism's start-up and
                                    collective timeout; a rank that stops answering fails the
                                    step after this long (a rank that dies fails it at once)
@@ -95,6 +98,16 @@ def decoder_loop() -> DecoderLoopName | None:
     """Whether steps run the decoder layers in one C++ call ("off", forced "cpp"), or
     None for automatic."""
     return _choice("PAGEDSERVE_DECODER_LOOP", _DECODER_LOOP)  # type: ignore[return-value]
+
+
+HugePagesName = Literal["on", "off"]
+_HUGE_PAGES: tuple[HugePagesName, ...] = ("on", "off")
+
+
+def huge_pages() -> HugePagesName | None:
+    """Whether CPU weights and KV cache go in transparent huge pages ("off"; "on" and None:
+    where the OS offers them)."""
+    return _choice("PAGEDSERVE_HUGE_PAGES", _HUGE_PAGES)  # type: ignore[return-value]
 
 
 def tp_timeout_s() -> float:

@@ -57,6 +57,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "pagedserve_common.h"
@@ -74,10 +75,29 @@ using pagedserve::hmax8;
 using pagedserve::hsum8;
 using pagedserve::load_bf16x8;
 
-// Loaders: the 8 elements (p, 8 v .. 8 v + 7) of a tile as floats, v in 0..3.
+// Software prefetch this many bytes ahead of where a thread reads its run of the weight. The
+// hardware prefetchers alone kept one thread's stream at ~70-85% of what a plain sum reads
+// (they stop at every 4 KiB page and ramp up again); a request 1 KiB ahead keeps more lines in
+// flight (benchmarks/gemv_micro.py --prefetch-ab builds the kernel without it to compare).
+// Prefetching past the weight's end is harmless: a prefetch never faults.
+#ifndef PAGEDSERVE_PREFETCH_AHEAD
+#define PAGEDSERVE_PREFETCH_AHEAD 1024
+#endif
+constexpr int64_t kPrefetchAhead = PAGEDSERVE_PREFETCH_AHEAD;
+
+// Prefetches the cache lines `bytes` long from `p`, kPrefetchAhead in front.
+inline void prefetch_ahead(const void* p, int64_t bytes) {
+  if constexpr (kPrefetchAhead > 0)
+    for (int64_t b = 0; b < bytes; b += 64)
+      _mm_prefetch(static_cast<const char*>(p) + b + kPrefetchAhead, _MM_HINT_T0);
+}
+
+// Loaders: the 8 elements (p, 8 v .. 8 v + 7) of a tile as floats, v in 0..3; `prefetch(p)`
+// asks for the weight kPrefetchAhead bytes past pair p's (a cache line per 64 bytes).
 struct LoadF32 {
   const float* w;
   inline __m256 operator()(int64_t p, int v) const { return _mm256_loadu_ps(w + p * 32 + v * 8); }
+  inline void prefetch(int64_t p) const { prefetch_ahead(w + p * 32, 128); }
 };
 struct LoadBF16 {
   const uint16_t* w;
@@ -85,6 +105,7 @@ struct LoadBF16 {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + p * 32 + v * 8));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+  inline void prefetch(int64_t p) const { prefetch_ahead(w + p * 32, 64); }
 };
 struct LoadI8 {
   const int8_t* w;
@@ -92,6 +113,8 @@ struct LoadI8 {
     __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + p * 32 + v * 8));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
   }
+  // 32 bytes a pair: every other pair starts a line.
+  inline void prefetch(int64_t p) const { if ((p & 1) == 0) prefetch_ahead(w + p * 32, 64); }
 };
 
 // (c0k0, c0k1, c1k0, c1k1 | c2.., c3..) and the same for channels 4..7 -> c0..c7.
@@ -101,13 +124,16 @@ inline __m256 fold_pairs(__m256 a, __m256 b) {
 }
 
 // MT rows of x (float32, rows `ldx` apart) times one tile: out[i * 16 + j], float32 sums.
-template <int MT, int U, class Load>
+// Prefetch: whether this pass asks for the weight ahead (the first row block of a tile only;
+// later blocks find it in the caches, and the extra instructions cost compute-bound passes).
+template <int MT, int U, class Load, bool Prefetch = true>
 inline void tile_dot(const float* x, int64_t ldx, int64_t pairs, const Load& load, float* out) {
   __m256 acc[U][MT][4];
   for (int u = 0; u < U; ++u)
     for (int i = 0; i < MT; ++i)
       for (int v = 0; v < 4; ++v) acc[u][i][v] = _mm256_setzero_ps();
   auto step = [&](int u, int64_t p) {
+    if constexpr (Prefetch) load.prefetch(p);
     __m256 xb[MT];
     for (int i = 0; i < MT; ++i)
       xb[i] = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x + i * ldx + 2 * p)));
@@ -132,7 +158,7 @@ inline void tile_dot(const float* x, int64_t ldx, int64_t pairs, const Load& loa
 // a shift left by 16 gives k0's weights as floats and a mask of the low half k1's, so 16
 // weights cost 2 integer ops (the generic loader's zero-extend + shift costs 4) and each
 // accumulator holds one channel's sum: no horizontal adds at the end.
-template <int MT, int U>
+template <int MT, int U, bool Prefetch = true>
 inline void tile_dot_bf16(const float* x, int64_t ldx, int64_t pairs, const uint16_t* w, float* out) {
   __m256 acc[U][MT][4];
   for (int u = 0; u < U; ++u)
@@ -140,6 +166,7 @@ inline void tile_dot_bf16(const float* x, int64_t ldx, int64_t pairs, const uint
       for (int v = 0; v < 4; ++v) acc[u][i][v] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   auto step = [&](int u, int64_t p) {
+    if constexpr (Prefetch) prefetch_ahead(w + p * 32, 64);
     const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
     const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
     const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(b0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(b0, high));
@@ -173,19 +200,25 @@ inline void tile_all_rows(const float* x, int64_t M, int64_t K, const Load& load
   // rows amortize them; 4 rows ran 1.2x faster as 2 + 2 than as 3 + 1 (benchmarks/gemv_micro.py).
   // Every block has U = 1, so a row's sums do not depend on the block it falls in.
   int64_t m = 0;
-  if (M >= 6)
-    for (; m + 3 <= M; m += 3) tile_dot<3, 1>(x + m * K, K, pairs, load, sums + m * kTile);
-  for (; m + 2 <= M; m += 2) tile_dot<2, 1>(x + m * K, K, pairs, load, sums + m * kTile);
-  if (M - m == 1) tile_dot<1, 2>(x + m * K, K, pairs, load, sums + m * kTile);
+  if (M >= 6) {
+    tile_dot<3, 1>(x, K, pairs, load, sums);
+    for (m = 3; m + 3 <= M; m += 3) tile_dot<3, 1, Load, false>(x + m * K, K, pairs, load, sums + m * kTile);
+  } else {
+    tile_dot<2, 1>(x, K, pairs, load, sums);
+    m = 2;
+  }
+  for (; m + 2 <= M; m += 2) tile_dot<2, 1, Load, false>(x + m * K, K, pairs, load, sums + m * kTile);
+  if (M - m == 1) tile_dot<1, 2, Load, false>(x + m * K, K, pairs, load, sums + m * kTile);
 }
 inline void tile_all_rows(const float* x, int64_t M, int64_t K, const LoadBF16& load, float* sums) {
   const int64_t pairs = K / 2;
   if (M == 1) return tile_dot_bf16<1, 2>(x, K, pairs, load.w, sums);
   // Two rows at a time: 8 accumulators + 4 weight vectors + 2 broadcasts + the mask fit the 16
   // AVX2 registers (blocks of 3 spilled: 8 rows ran 1.5x slower than as 4 blocks of 2).
-  int64_t m = 0;
-  for (; m + 2 <= M; m += 2) tile_dot_bf16<2, 1>(x + m * K, K, pairs, load.w, sums + m * kTile);
-  if (M - m == 1) tile_dot_bf16<1, 2>(x + m * K, K, pairs, load.w, sums + m * kTile);
+  tile_dot_bf16<2, 1>(x, K, pairs, load.w, sums);
+  int64_t m = 2;
+  for (; m + 2 <= M; m += 2) tile_dot_bf16<2, 1, false>(x + m * K, K, pairs, load.w, sums + m * kTile);
+  if (M - m == 1) tile_dot_bf16<1, 2, false>(x + m * K, K, pairs, load.w, sums + m * kTile);
 }
 
 // Runs `body(t, sums)` for every tile, tiles split across threads in contiguous ranges
@@ -236,6 +269,8 @@ void dense_impl(const at::Tensor& xf, const Elem* w, int64_t tiles, const at::Te
 // 16 int8 weights of channels 16 t .. 16 t + 15 at one k, as two float vectors.
 struct ChanI8 {
   const int8_t* w;  // the tile: K x 16 bytes
+  static constexpr int64_t kBytesPerK = 16;
+  const void* at(int64_t k) const { return w + k * 16; }
   inline void operator()(int64_t k, __m256& lo, __m256& hi) const {
     // Two 8-byte loads: each folds into its sign extension (no shuffle to reach the high half).
     lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * 16))));
@@ -245,6 +280,8 @@ struct ChanI8 {
 // 16 int4 weights (8 bytes: channel j low nibble, channel 8 + j high nibble) as floats in [0, 15].
 struct ChanI4 {
   const uint8_t* w;  // the tile: K x 8 bytes
+  static constexpr int64_t kBytesPerK = 8;
+  const void* at(int64_t k) const { return w + k * 8; }
   inline void operator()(int64_t k, __m256& lo, __m256& hi) const {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * 8)));
     lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
@@ -255,13 +292,14 @@ struct ChanI4 {
 // Per group of `group` k and MT rows: acc[i] = sum_k x[i, k] * w[k, 0..15] (float32), with U
 // k in flight for few rows (2 * U * MT independent FMA chains hide the latency); then
 // epilogue(g, acc) folds the group into the row totals.
-template <int MT, int U, class Load, class Epilogue>
+template <int MT, int U, class Load, class Epilogue, bool Prefetch = true>
 inline void chan_groups(const float* x, int64_t ldx, int64_t K, int64_t group, const Load& load,
                         Epilogue epilogue) {
   for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, ++g) {
     __m256 acc[U][MT][2];
     for (int u = 0; u < U; ++u)
       for (int i = 0; i < MT; ++i) acc[u][i][0] = acc[u][i][1] = _mm256_setzero_ps();
+    if constexpr (Prefetch) prefetch_ahead(load.at(g0), group * Load::kBytesPerK);
     for (int64_t k = g0; k < g0 + group; k += U)  // group % U == 0 (group is a multiple of 32)
       for (int u = 0; u < U; ++u) {
         __m256 lo, hi;
@@ -289,13 +327,16 @@ inline void chan_all_rows(const float* x, int64_t M, int64_t K, int64_t group, c
   auto at = [&](int64_t m0) {
     return [&, m0](int64_t g, __m256 (*acc)[2], int mt) { epilogue(m0, g, acc, mt); };
   };
+  using At = decltype(at(0));
   if (M == 1) return chan_groups<1, 4>(x, K, K, group, load, at(0));
   if (M == 2) return chan_groups<2, 2>(x, K, K, group, load, at(0));
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) chan_groups<4, 1>(x + m * K, K, K, group, load, at(m));
-  if (M - m == 3) chan_groups<3, 1>(x + m * K, K, K, group, load, at(m));
-  if (M - m == 2) chan_groups<2, 2>(x + m * K, K, K, group, load, at(m));
-  if (M - m == 1) chan_groups<1, 4>(x + m * K, K, K, group, load, at(m));
+  if (M == 3) return chan_groups<3, 1>(x, K, K, group, load, at(0));
+  chan_groups<4, 1>(x, K, K, group, load, at(0));  // the first block of 4 prefetches
+  int64_t m = 4;
+  for (; m + 4 <= M; m += 4) chan_groups<4, 1, Load, At, false>(x + m * K, K, K, group, load, at(m));
+  if (M - m == 3) chan_groups<3, 1, Load, At, false>(x + m * K, K, K, group, load, at(m));
+  if (M - m == 2) chan_groups<2, 2, Load, At, false>(x + m * K, K, K, group, load, at(m));
+  if (M - m == 1) chan_groups<1, 4, Load, At, false>(x + m * K, K, K, group, load, at(m));
 }
 
 inline __m256 load_half8(const c10::Half* p) {
@@ -451,7 +492,7 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float* d
 
 // MT rows (xq rows K apart, dx rows K/32 apart) times tile t: tot[i * 16 + j] += sum over
 // blocks of float(dot) * scale[g, j] * dx[i, block].
-template <int MT>
+template <int MT, bool Prefetch = true>
 inline void q8_tile_rows(const int8_t* xq, const float* dx, int64_t K, int64_t group, const int8_t* qt,
                          const c10::Half* st, float* tot) {
   const __m256i ones = _mm256_set1_epi16(1);
@@ -460,6 +501,7 @@ inline void q8_tile_rows(const int8_t* xq, const float* dx, int64_t K, int64_t g
     __m256i acc[MT][2];
     for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
     const int8_t* wb = qt + b * 32 * kTile;  // 8 quads x 64 bytes
+    if constexpr (Prefetch) prefetch_ahead(wb, 32 * kTile);
     for (int c = 0; c < 8; ++c) {
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64 + 32));
@@ -501,11 +543,17 @@ void int8_q8_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& s
     const int8_t* qt = qd + t * K * kTile;
     const c10::Half* st = sd + t * groups * kTile;
     // Row blocks of at most 4 (8 int32 accumulators + 4 weight vectors in 16 registers).
+    // The first block prefetches the tile ahead; the later ones find it in the caches.
+    auto rows = [&](int64_t m, auto block) {
+      constexpr int kRows = decltype(block)::value;
+      if (m == 0) q8_tile_rows<kRows>(xq.data(), dx.data(), K, group, qt, st, tot);
+      else q8_tile_rows<kRows, false>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile);
+    };
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) q8_tile_rows<4>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile);
-    if (M - m == 3) q8_tile_rows<3>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile);
-    if (M - m == 2) q8_tile_rows<2>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile);
-    if (M - m == 1) q8_tile_rows<1>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile);
+    for (; m + 4 <= M; m += 4) rows(m, std::integral_constant<int, 4>{});
+    if (M - m == 3) rows(m, std::integral_constant<int, 3>{});
+    if (M - m == 2) rows(m, std::integral_constant<int, 2>{});
+    if (M - m == 1) rows(m, std::integral_constant<int, 1>{});
     out.store(tot, M, t);
   });
 }

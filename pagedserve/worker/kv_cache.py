@@ -16,6 +16,7 @@ import psutil
 import torch
 
 from pagedserve.quantization.kv_int8 import row_bytes
+from pagedserve.worker import huge_pages
 
 KV_CACHE_DTYPES = ("auto", "int8")
 
@@ -99,4 +100,4 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device)
     them), and a NaN left in uninitialised memory would survive a zero attention weight.
     """
     shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.last_dim)
-    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    return [huge_pages.zeros(shape, spec.dtype, device) for _ in range(spec.num_layers)]

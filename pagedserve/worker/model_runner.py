@@ -44,6 +44,7 @@ from pagedserve.quantization import QuantizationConfig
 from pagedserve.sample.input_builder import build_sampling_metadata
 from pagedserve.sample.sampler import Sampler, SamplerOutput, gather_logprobs_into
 from pagedserve.spec_decode.rejection_sampler import accepted_runs, rejection_sample
+from pagedserve.worker import huge_pages
 from pagedserve.worker.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_torch_dtype
 from pagedserve.worker.prompt_logprobs import (
     PromptLogprobs,
@@ -162,6 +163,8 @@ class ModelRunner:
         self.backend = _attention_backend(device, self.kv_dtype)
         self.model, self.hf_config = load_model(model_path, dtype, device, quantization, tp_group)
         self.model.eval()
+        if device.type == "cpu":
+            huge_pages.move_weights(self.model)  # before anything captures a weight tensor
         self.attn_layers = sorted(
             (m for m in self.model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx
         )

@@ -1,0 +1,133 @@
+"""A decode step's weight stream: SmolLM2's 30 layers and LM head through the GEMV kernel,
+back to back as a step reads them, in 4 KiB pages vs 2 MiB (transparent huge) pages, and
+with vs without the kernel's software prefetch.
+
+    python benchmarks/weight_stream.py                       # fp32 bf16 int8 int8-q8 int4, 1 and 8 rows
+    python benchmarks/weight_stream.py --kinds bfloat16 --rows 1 --rounds 15
+
+The weights are random (the stream's speed does not depend on their values), ~270 MB in
+bf16: far beyond the 32 MiB L3, so each pass reads DRAM as a real step does. The prefetch-free
+kernel is a variant build (`-DPAGEDSERVE_PREFETCH_AHEAD=0`, its own op namespace) loaded into
+the same process. Each round times every variant once (best of 3 passes), in turn, so a
+neighbour's load hits all alike; the table gives each variant's median over the rounds, the
+GB/s it reads the weights at, and the read-bandwidth probe of benchmarks/latency.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from latency import read_bandwidth  # noqa: E402
+
+from pagedserve import cpp_build  # noqa: E402
+from pagedserve.quantization import gemv  # noqa: E402
+from pagedserve.quantization.int4 import quantize_int4  # noqa: E402
+from pagedserve.quantization.int8_grouped import quantize_int8_grouped  # noqa: E402
+from pagedserve.worker import huge_pages  # noqa: E402
+
+KINDS = ("float32", "bfloat16", "int8", "int8-q8", "int4")
+HIDDEN, INTER, QKV, LAYERS, VOCAB = 576, 1536, 960, 30, 49152
+SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [(VOCAB, HIDDEN)]
+
+
+def in_pages(t: torch.Tensor, huge: bool) -> torch.Tensor:
+    """A copy of `t` in fresh memory: huge-page-backed, or torch's (4 KiB pages here)."""
+    if not huge:
+        return t.clone()
+    out = huge_pages.empty_bytes(t.nbytes).view(t.dtype).view(t.shape)
+    return out.copy_(t)
+
+
+def layer_call(kind: str, ops: object, w: torch.Tensor, huge: bool) -> tuple[Callable[[torch.Tensor], object], int]:
+    """(x -> y through `ops`, the weight bytes it reads) for one (out, in) weight."""
+    if kind in ("float32", "bfloat16"):
+        tiles = in_pages(gemv.pack_tiles(w.to(getattr(torch, kind))), huge)
+        return (lambda x: ops.gemv_dense(x, tiles, None)), tiles.nbytes
+    if kind == "int4":
+        q4, sz = gemv.pack_int4_grouped(*quantize_int4(w, 32))
+        q4, sz = in_pages(q4, huge), in_pages(sz, huge)
+        return (lambda x: ops.gemv_int4_grouped(x, q4, sz, None)), q4.nbytes + sz.nbytes
+    q, scale = quantize_int8_grouped(w, 32)
+    tiles, scales = gemv.pack_int8_grouped(q, scale)
+    scales = in_pages(scales, huge)
+    if kind == "int8-q8":
+        quads = in_pages(gemv.pack_int8_quads(q), huge)
+        return (lambda x: ops.gemv_int8_q8(x, quads, scales, None)), quads.nbytes + scales.nbytes
+    tiles = in_pages(tiles, huge)
+    return (lambda x: ops.gemv_int8_grouped(x, tiles, scales, None)), tiles.nbytes + scales.nbytes
+
+
+def model_pass(kind: str, ops: object, huge: bool, gen: torch.Generator) -> tuple[Callable[[int], None], int]:
+    calls = []
+    nbytes = 0
+    for out, inp in SHAPES:
+        w = torch.randn(out, inp, generator=gen) / inp**0.5
+        call, size = layer_call(kind, ops, w, huge)
+        calls.append((call, inp))
+        nbytes += size
+    xs = {rows: {inp: torch.randn(rows, inp, generator=gen) for inp in (HIDDEN, INTER)} for rows in (1, 8)}
+
+    def run(rows: int) -> None:
+        for call, inp in calls:
+            call(xs[rows][inp])
+    return run, nbytes
+
+
+def best_of(run: Callable[[int], None], rows: int, passes: int = 3) -> float:
+    best = float("inf")
+    for _ in range(passes):
+        start = time.perf_counter()
+        run(rows)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8], choices=(1, 8))
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not huge_pages.available():
+        raise SystemExit("transparent huge pages are not available here")
+    with_prefetch = cpp_build.load(cpp_build.GEMV).require()
+    without = cpp_build.load(cpp_build.GEMV, ("-DPAGEDSERVE_PREFETCH_AHEAD=0",), "pagedserve_gemv_noprefetch").require()
+    print(f"threads={args.threads}, median of {args.rounds} rounds, each variant best of 3 passes a round")
+    print(f"{'kind':9} {'rows':>4} {'MB':>6} | {'4k':>13} {'4k+pf':>13} {'2M':>13} {'2M+pf':>13} | ms (GB/s)"
+          f" | probe GB/s")
+    gen = torch.Generator().manual_seed(0)
+    for kind in args.kinds:
+        variants = {}
+        for huge in (False, True):
+            for name, ops in (("", without), ("+pf", with_prefetch)):
+                variants[("2M" if huge else "4k") + name] = model_pass(kind, ops, huge, gen)
+        nbytes = next(iter(variants.values()))[1]
+        for rows in args.rows:
+            times: dict[str, list[float]] = {k: [] for k in variants}
+            probes = []
+            for _ in range(args.rounds):
+                for name, (run, _) in variants.items():
+                    times[name].append(best_of(run, rows))
+                probes.append(read_bandwidth(repeats=3))
+            cells = []
+            for name in ("4k", "4k+pf", "2M", "2M+pf"):
+                t = statistics.median(times[name])
+                cells.append(f"{t * 1e3:6.2f} ({nbytes / t / 1e9:4.1f})")
+            print(f"{kind:9} {rows:>4} {nbytes / 1e6:>6.1f} | {' '.join(cells)} | {statistics.median(probes) / 1e9:5.1f}",
+                  flush=True)
+        del variants
+
+
+if __name__ == "__main__":
+    main()
