@@ -22,8 +22,8 @@ import logging
 import mmap
 import sys
 from collections.abc import Iterator
-from typing import TypeGuard
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 from torch import nn
