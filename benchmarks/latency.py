@@ -307,7 +307,8 @@ def report(label: str, r: dict, roofline: float, batches: list[int]) -> str:
     parts = [
         f"{label:10} decode {decode:7.1f} tok/s ({100 * decode / roofline:4.0f}% of roofline)",
         "tpot ms " + " ".join(f"b{b}={tpot[b]:.2f}" for b in batches),
-        f"b8/b1 {tpot[8] / tpot[1]:.2f}" if 8 in tpot and 1 in tpot else "",
+        (f"b8/b1 {tpot[8] / tpot[1]:.2f} (paired {med([e / o for o, e in zip(r['tpot'][1], r['tpot'][8], strict=True)]):.2f})"
+         if 8 in tpot and 1 in tpot else ""),
         f"prefill {med(r['prefill']):7.0f} tok/s",
         f"overhead b1 {100 * med(r['overhead_b1']):4.1f}%",
     ]
