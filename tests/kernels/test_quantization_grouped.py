@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pagedserve import LLM, SamplingParams
 from pagedserve.models.layers.linear import LinearBase
 from pagedserve.models.loader import load_model
-from pagedserve.quantization import QuantizationConfig
+from pagedserve.quantization import QuantizationConfig, gemv
 from pagedserve.quantization.gguf_blocks import from_gguf_q4_0, from_gguf_q4_1, from_gguf_q8_0
 from pagedserve.quantization.int4 import (
     Int4LinearMethod,
@@ -34,6 +34,7 @@ from pagedserve.quantization.int8_grouped import (
     dequantize_int8_grouped,
     quantize_int8_grouped,
 )
+from pagedserve.quantization.packed import onednn_packs
 
 from hf_reference import make_prompts
 
@@ -178,3 +179,20 @@ def test_engine_equals_transformers_on_dequantized_weights(model_path) -> None:
         assert out.outputs[0].token_ids == want
         for position, (token, entry) in enumerate(zip(prompt[1:], out.prompt_logprobs[1:], strict=True)):
             assert abs(entry[token].logprob - logprobs[position, token].item()) < 1e-4
+
+
+@pytest.mark.skipif(onednn_packs(torch.bfloat16) or gemv.gemv_ops() is None,
+                    reason="bf16 prefill keeps torch's bf16 GEMM where oneDNN has one")
+def test_bf16_prefill_multiplies_the_exact_weights_in_float32() -> None:
+    """Without a bf16 GEMM, > 32 bf16 rows multiply the weights' exact float32 values and round
+    once, as the decode GEMV does: the same rows agree to one bf16 rounding at 200 rows and at 8
+    (weights rounded to bf16 first, as before, disagreed by several)."""
+    w = _weights(192, 256)
+    layer = _Linear(w.bfloat16(), None)
+    method = Int8GroupedLinearMethod(32)
+    method.process_weights_after_loading(layer)
+    x = torch.randn(200, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    prefill = method.apply(layer, x)[:8].float()
+    decode = method.apply(layer, x[:8]).float()
+    one_rounding = torch.ldexp(torch.ones_like(decode), torch.frexp(decode).exponent - 8)
+    assert ((prefill - decode).abs() <= one_rounding).all()
