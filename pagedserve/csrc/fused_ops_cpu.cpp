@@ -144,37 +144,13 @@ inline float exp_f(float x) {
 }
 
 #if defined(PAGEDSERVE_AVX2)
-// exp_f on 8 lanes, the same steps (GCC did not vectorize the scalar loop around exp_f: a
-// decode step's SiLU ran at ~5 ns an element, 50-90 us for 8 rows of SmolLM2's MLP).
-inline __m256 exp_f8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.7f)), _mm256_set1_ps(-87.3f));
-  const __m256 shift = _mm256_set1_ps(12582912.f);
-  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), shift), shift);
-  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
-  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
-}
-
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const bf16* p) { return pagedserve::load_bf16x8(p); }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(bf16* p, __m256 v) { pagedserve::store_bf16x8(p, v); }
 // v rounded to T's precision, kept as float (the T(...) of a formula).
 inline __m256 round_to(float, __m256 v) { return v; }
-inline __m256 round_to(bf16, __m256 v) {  // to nearest even, as store_bf16x8
-  __m256i b = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  b = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
+inline __m256 round_to(bf16, __m256 v) { return pagedserve::round_bf16x8(v); }
 #endif
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
@@ -195,7 +171,9 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 #if defined(PAGEDSERVE_AVX2)
         for (; i + 8 <= n; i += 8) {
           const __m256 g = load8(gate + i);
-          const __m256 e = exp_f8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+          // The vector exp is paged attention's (the loop around the scalar exp_f below did not
+          // vectorize: 8 rows of SmolLM2's SiLU took 50-90 us); the tail keeps exp_f.
+          const __m256 e = pagedserve::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
           const __m256 act = round_to(scalar_t{}, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
           store8(o + i, _mm256_mul_ps(act, load8(up + i)));
         }

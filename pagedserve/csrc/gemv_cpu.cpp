@@ -57,7 +57,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "pagedserve_common.h"
@@ -78,7 +77,8 @@ using pagedserve::load_bf16x8;
 // Software prefetch this many bytes ahead of where a thread reads its run of the weight. The
 // hardware prefetchers alone kept one thread's stream at ~70-85% of what a plain sum reads
 // (they stop at every 4 KiB page and ramp up again); a request 1 KiB ahead keeps more lines in
-// flight (benchmarks/gemv_micro.py --prefetch-ab builds the kernel without it to compare).
+// flight (benchmarks/weight_stream.py builds the kernel without it, -DPAGEDSERVE_PREFETCH_AHEAD=0,
+// to compare).
 // Prefetching past the weight's end is harmless: a prefetch never faults.
 #ifndef PAGEDSERVE_PREFETCH_AHEAD
 #define PAGEDSERVE_PREFETCH_AHEAD 1024
@@ -292,14 +292,15 @@ struct ChanI4 {
 // Per group of `group` k and MT rows: acc[i] = sum_k x[i, k] * w[k, 0..15] (float32), with U
 // k in flight for few rows (2 * U * MT independent FMA chains hide the latency); then
 // epilogue(g, acc) folds the group into the row totals.
-template <int MT, int U, class Load, class Epilogue, bool Prefetch = true>
+// `prefetch`: the first row block of a tile only (see tile_dot); once a group, so a plain flag.
+template <int MT, int U, class Load, class Epilogue>
 inline void chan_groups(const float* x, int64_t ldx, int64_t K, int64_t group, const Load& load,
-                        Epilogue epilogue) {
+                        Epilogue epilogue, bool prefetch = true) {
   for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, ++g) {
     __m256 acc[U][MT][2];
     for (int u = 0; u < U; ++u)
       for (int i = 0; i < MT; ++i) acc[u][i][0] = acc[u][i][1] = _mm256_setzero_ps();
-    if constexpr (Prefetch) prefetch_ahead(load.at(g0), group * Load::kBytesPerK);
+    if (prefetch) prefetch_ahead(load.at(g0), group * Load::kBytesPerK);
     for (int64_t k = g0; k < g0 + group; k += U)  // group % U == 0 (group is a multiple of 32)
       for (int u = 0; u < U; ++u) {
         __m256 lo, hi;
@@ -327,16 +328,13 @@ inline void chan_all_rows(const float* x, int64_t M, int64_t K, int64_t group, c
   auto at = [&](int64_t m0) {
     return [&, m0](int64_t g, __m256 (*acc)[2], int mt) { epilogue(m0, g, acc, mt); };
   };
-  using At = decltype(at(0));
   if (M == 1) return chan_groups<1, 4>(x, K, K, group, load, at(0));
   if (M == 2) return chan_groups<2, 2>(x, K, K, group, load, at(0));
-  if (M == 3) return chan_groups<3, 1>(x, K, K, group, load, at(0));
-  chan_groups<4, 1>(x, K, K, group, load, at(0));  // the first block of 4 prefetches
-  int64_t m = 4;
-  for (; m + 4 <= M; m += 4) chan_groups<4, 1, Load, At, false>(x + m * K, K, K, group, load, at(m));
-  if (M - m == 3) chan_groups<3, 1, Load, At, false>(x + m * K, K, K, group, load, at(m));
-  if (M - m == 2) chan_groups<2, 2, Load, At, false>(x + m * K, K, K, group, load, at(m));
-  if (M - m == 1) chan_groups<1, 4, Load, At, false>(x + m * K, K, K, group, load, at(m));
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) chan_groups<4, 1>(x + m * K, K, K, group, load, at(m), m == 0);
+  if (M - m == 3) chan_groups<3, 1>(x + m * K, K, K, group, load, at(m), m == 0);
+  if (M - m == 2) chan_groups<2, 2>(x + m * K, K, K, group, load, at(m), m == 0);
+  if (M - m == 1) chan_groups<1, 4>(x + m * K, K, K, group, load, at(m), m == 0);
 }
 
 inline __m256 load_half8(const c10::Half* p) {
@@ -492,16 +490,17 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float* d
 
 // MT rows (xq rows K apart, dx rows K/32 apart) times tile t: tot[i * 16 + j] += sum over
 // blocks of float(dot) * scale[g, j] * dx[i, block].
-template <int MT, bool Prefetch = true>
+// `prefetch`: the first row block of a tile only (see tile_dot).
+template <int MT>
 inline void q8_tile_rows(const int8_t* xq, const float* dx, int64_t K, int64_t group, const int8_t* qt,
-                         const c10::Half* st, float* tot) {
+                         const c10::Half* st, float* tot, bool prefetch) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t blocks_per_group = group / 32;
   for (int64_t b = 0; b < K / 32; ++b) {
     __m256i acc[MT][2];
     for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
     const int8_t* wb = qt + b * 32 * kTile;  // 8 quads x 64 bytes
-    if constexpr (Prefetch) prefetch_ahead(wb, 32 * kTile);
+    if (prefetch) prefetch_ahead(wb, 32 * kTile);
     for (int c = 0; c < 8; ++c) {
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64 + 32));
@@ -544,16 +543,11 @@ void int8_q8_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& s
     const c10::Half* st = sd + t * groups * kTile;
     // Row blocks of at most 4 (8 int32 accumulators + 4 weight vectors in 16 registers).
     // The first block prefetches the tile ahead; the later ones find it in the caches.
-    auto rows = [&](int64_t m, auto block) {
-      constexpr int kRows = decltype(block)::value;
-      if (m == 0) q8_tile_rows<kRows>(xq.data(), dx.data(), K, group, qt, st, tot);
-      else q8_tile_rows<kRows, false>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile);
-    };
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) rows(m, std::integral_constant<int, 4>{});
-    if (M - m == 3) rows(m, std::integral_constant<int, 3>{});
-    if (M - m == 2) rows(m, std::integral_constant<int, 2>{});
-    if (M - m == 1) rows(m, std::integral_constant<int, 1>{});
+    for (; m + 4 <= M; m += 4) q8_tile_rows<4>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile, m == 0);
+    if (M - m == 3) q8_tile_rows<3>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile, m == 0);
+    if (M - m == 2) q8_tile_rows<2>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile, m == 0);
+    if (M - m == 1) q8_tile_rows<1>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile, m == 0);
     out.store(tot, M, t);
   });
 }

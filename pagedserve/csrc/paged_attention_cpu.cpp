@@ -73,7 +73,8 @@ struct VecScalar {  // portable fallback (also used when head_dim is not a multi
   static void prefetch(const void*) {}
 };
 
-// Cephes-style expf: |rel err| ~ 2e-7 on x <= 0; inputs below -87.3 flush to ~1e-38.
+// Cephes-style expf (pagedserve::exp8's steps at AVX-512's width): |rel err| ~ 2e-7 on x <= 0;
+// inputs below -87.3 flush to ~1e-38.
 #define PAGED_EXP_BODY(V, x)                                            \
   x = V::min_(V::max_(x, V::set1(-87.3365f)), V::set1(88.3762626f));    \
   R fx = V::floor_(V::fma(x, V::set1(1.44269504f), V::set1(0.5f)));     \
@@ -139,7 +140,7 @@ struct Vec256 {
     __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127));
     return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
   }
-  static R exp(R x) { PAGED_EXP_BODY(Vec256, x) }
+  static R exp(R x) { return pagedserve::exp8(x); }
   static float hsum(R v) { return pagedserve::hsum8(v); }
   static float hmax(R v) { return pagedserve::hmax8(v); }
   static R reduce(const R* a) { return pagedserve::reduce8(a); }  // out[i] = hsum of a[i]

@@ -73,12 +73,38 @@ inline __m256 widen_bf16x8(__m128i h) {
 inline __m256 load_bf16x8(const bf16* p) {
   return widen_bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-inline void store_bf16x8(bf16* p, __m256 v) {  // values fit 16 bits after the shift
-  __m256i b = _mm256_castps_si256(v);
+// v's bits plus the round-to-nearest-even increment: the bf16 value is the high 16 bits.
+inline __m256i bf16_rounding_bits(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  return _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+}
+// v rounded to bfloat16, kept in float32 lanes (a bf16 step inside a float computation).
+inline __m256 round_bf16x8(__m256 v) {
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(bf16_rounding_bits(v), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void store_bf16x8(bf16* p, __m256 v) {  // values fit 16 bits after the shift
+  const __m256i b = _mm256_srli_epi32(bf16_rounding_bits(v), 16);
   const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+}
+// Cephes-style expf on 8 lanes: |rel err| ~ 2e-7 on x <= 0; inputs below -87.3 flush to
+// ~1e-38 (paged attention's softmax, fused SiLU).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)), _mm256_set1_ps(88.3762626f));
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
 }
 inline float hsum8(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
