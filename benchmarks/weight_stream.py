@@ -1,16 +1,20 @@
 """A decode step's weight stream: SmolLM2's 30 layers and LM head through the GEMV kernel,
-back to back as a step reads them, in 4 KiB pages vs 2 MiB (transparent huge) pages, and
-with vs without the kernel's software prefetch.
+back to back as a step reads them, in 4 KiB pages vs 2 MiB (transparent huge) pages, with vs
+without the kernel's software prefetch, and (several rows) without vs with the next-tile
+prefetch that streams the weight under the later row blocks' arithmetic.
 
     python benchmarks/weight_stream.py                       # fp32 bf16 int8 int8-q8 int4, 1 and 8 rows
     python benchmarks/weight_stream.py --kinds bfloat16 --rows 1 --rounds 15
+    python benchmarks/weight_stream.py --rows 1 2 4 8        # b8/b1 of the kernels alone
 
 The weights are random (the stream's speed does not depend on their values), ~270 MB in
-bf16: far beyond the 32 MiB L3, so each pass reads DRAM as a real step does. The prefetch-free
-kernel is a variant build (`-DPAGEDSERVE_PREFETCH_AHEAD=0`, its own op namespace) loaded into
-the same process. Each round times every variant once (best of 3 passes), in turn, so a
-neighbour's load hits all alike; the table gives each variant's median over the rounds, the
-GB/s it reads the weights at, and the read-bandwidth probe of benchmarks/latency.py.
+bf16: far beyond the 32 MiB L3, so each pass reads DRAM as a real step does. The variants
+are builds of the same source (`-DPAGEDSERVE_PREFETCH_AHEAD=0`, `-DPAGEDSERVE_NEXT_TILE=0`,
+each in its own op namespace) loaded into the same process. Each round times every variant
+once (best of 3 passes), in turn, so a neighbour's load hits all alike; the table gives each
+variant's median over the rounds, the GB/s it reads the weights at, and the read-bandwidth
+probe of benchmarks/latency.py. Columns: 4k / 2M pages, +pf the prefetch ahead, -next
+without the next-tile prefetch (the default build has both).
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def model_pass(kind: str, ops: object, huge: bool, gen: torch.Generator) -> tupl
         call, size = layer_call(kind, ops, w, huge)
         calls.append((call, inp))
         nbytes += size
-    xs = {rows: {inp: torch.randn(rows, inp, generator=gen) for inp in (HIDDEN, INTER)} for rows in (1, 8)}
+    xs = {rows: {inp: torch.randn(rows, inp, generator=gen) for inp in (HIDDEN, INTER)} for rows in (1, 2, 4, 8)}
 
     def run(rows: int) -> None:
         for call, inp in calls:
@@ -94,23 +98,26 @@ def best_of(run: Callable[[int], None], rows: int, passes: int = 3) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8], choices=(1, 8))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8], choices=(1, 2, 4, 8))
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not huge_pages.available():
         raise SystemExit("transparent huge pages are not available here")
-    with_prefetch = cpp_build.load(cpp_build.GEMV).require()
-    without = cpp_build.load(cpp_build.GEMV, ("-DPAGEDSERVE_PREFETCH_AHEAD=0",), "pagedserve_gemv_noprefetch").require()
+    default = cpp_build.load(cpp_build.GEMV).require()
+    no_ahead = cpp_build.load(cpp_build.GEMV, ("-DPAGEDSERVE_PREFETCH_AHEAD=0", "-DPAGEDSERVE_NEXT_TILE=0"),
+                              "pagedserve_gemv_noprefetch").require()
+    no_next = cpp_build.load(cpp_build.GEMV, ("-DPAGEDSERVE_NEXT_TILE=0",), "pagedserve_gemv_nonext").require()
+    builds = {"": no_ahead, "+pf-next": no_next, "+pf": default}
+    columns = [f"{'4k' if not huge else '2M'}{name}" for huge in (False, True) for name in builds]
     print(f"threads={args.threads}, median of {args.rounds} rounds, each variant best of 3 passes a round")
-    print(f"{'kind':9} {'rows':>4} {'MB':>6} | {'4k':>13} {'4k+pf':>13} {'2M':>13} {'2M+pf':>13} | ms (GB/s)"
-          f" | probe GB/s")
+    print(f"{'kind':9} {'rows':>4} {'MB':>6} | {' '.join(f'{c:>13}' for c in columns)} | ms (GB/s) | probe GB/s")
     gen = torch.Generator().manual_seed(0)
     for kind in args.kinds:
         variants = {}
         for huge in (False, True):
-            for name, ops in (("", without), ("+pf", with_prefetch)):
+            for name, ops in builds.items():
                 variants[("2M" if huge else "4k") + name] = model_pass(kind, ops, huge, gen)
         nbytes = next(iter(variants.values()))[1]
         for rows in args.rows:
@@ -121,7 +128,7 @@ def main() -> None:
                     times[name].append(best_of(run, rows))
                 probes.append(read_bandwidth(repeats=3))
             cells = []
-            for name in ("4k", "4k+pf", "2M", "2M+pf"):
+            for name in columns:
                 t = statistics.median(times[name])
                 cells.append(f"{t * 1e3:6.2f} ({nbytes / t / 1e9:4.1f})")
             print(f"{kind:9} {rows:>4} {nbytes / 1e6:>6.1f} | {' '.join(cells)} | {statistics.median(probes) / 1e9:5.1f}",

@@ -74,6 +74,12 @@ using pagedserve::hmax8;
 using pagedserve::hsum8;
 using pagedserve::load_bf16x8;
 
+// Fully unrolls the loop that follows. The register tiles (acc[u][i][v]) must be indexed by
+// compile-time constants to live in registers; when GCC judged a kernel too large to unroll on
+// its own it kept them on the stack, and every multiply-add waited on a store and a reload
+// (a batch-1 bf16 tile ran at half the speed of the same loop in a small test program).
+#define PAGEDSERVE_UNROLL _Pragma("GCC unroll 16")
+
 // Software prefetch this many bytes ahead of where a thread reads its run of the weight. The
 // hardware prefetchers alone kept one thread's stream at ~70-85% of what a plain sum reads
 // (they stop at every 4 KiB page and ramp up again); a request 1 KiB ahead keeps more lines in
@@ -92,12 +98,41 @@ inline void prefetch_ahead(const void* p, int64_t bytes) {
       _mm_prefetch(static_cast<const char*>(p) + b + kPrefetchAhead, _MM_HINT_T0);
 }
 
+// Several rows: a tile's row blocks each walk it, the first from DRAM, the later ones from the
+// caches, compute-bound. Left alone the DRAM stream idled while the later blocks computed and
+// the next tile's first block stalled on it (8 bf16 rows took the time of the stream PLUS the
+// arithmetic); instead every block requests a share of the NEXT tile, spread over its walk
+// (`stride` bytes further each step), so the stream runs under all the blocks' arithmetic.
+// `-DPAGEDSERVE_NEXT_TILE=0` builds it without (benchmarks/weight_stream.py compares).
+#ifndef PAGEDSERVE_NEXT_TILE
+#define PAGEDSERVE_NEXT_TILE 1
+#endif
+struct NextTile {
+  const char* base = nullptr;
+  int64_t stride = 0;
+  inline void at(int64_t step) const {
+    if (!PAGEDSERVE_NEXT_TILE || !base) return;
+    const char* p = base + step * stride;
+    _mm_prefetch(p, _MM_HINT_T0);
+    for (int64_t b = 64; b < stride; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  }
+  // Block `block` of `blocks` over a tile of `tile_bytes` walked in `steps` steps, `next` the
+  // next tile's start. A single block streams its own tile (prefetch_ahead): nothing to share.
+  static NextTile share(const void* next, int64_t tile_bytes, int64_t steps, int64_t block, int64_t blocks) {
+    if (blocks <= 1) return {};
+    return NextTile{static_cast<const char*>(next) + block * tile_bytes / blocks, tile_bytes / (blocks * steps)};
+  }
+};
+
 // Loaders: the 8 elements (p, 8 v .. 8 v + 7) of a tile as floats, v in 0..3; `prefetch(p)`
 // asks for the weight kPrefetchAhead bytes past pair p's (a cache line per 64 bytes).
 struct LoadF32 {
   const float* w;
   inline __m256 operator()(int64_t p, int v) const { return _mm256_loadu_ps(w + p * 32 + v * 8); }
-  inline void prefetch(int64_t p) const { prefetch_ahead(w + p * 32, 128); }
+  static constexpr int64_t kTileBytesPerPair = 128;
+  // None: float32 reads two lines a pair, and its stream ran ~12% faster on the hardware
+  // prefetchers alone than with requests ahead (benchmarks/weight_stream.py, batch 1).
+  inline void prefetch(int64_t) const {}
 };
 struct LoadBF16 {
   const uint16_t* w;
@@ -105,6 +140,7 @@ struct LoadBF16 {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + p * 32 + v * 8));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+  static constexpr int64_t kTileBytesPerPair = 64;
   inline void prefetch(int64_t p) const { prefetch_ahead(w + p * 32, 64); }
 };
 struct LoadI8 {
@@ -113,6 +149,7 @@ struct LoadI8 {
     __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + p * 32 + v * 8));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
   }
+  static constexpr int64_t kTileBytesPerPair = 32;
   // 32 bytes a pair: every other pair starts a line.
   inline void prefetch(int64_t p) const { if ((p & 1) == 0) prefetch_ahead(w + p * 32, 64); }
 };
@@ -127,26 +164,37 @@ inline __m256 fold_pairs(__m256 a, __m256 b) {
 // Prefetch: whether this pass asks for the weight ahead (the first row block of a tile only;
 // later blocks find it in the caches, and the extra instructions cost compute-bound passes).
 template <int MT, int U, class Load, bool Prefetch = true>
-inline void tile_dot(const float* x, int64_t ldx, int64_t pairs, const Load& load, float* out) {
+inline void tile_dot(const float* x, int64_t ldx, int64_t pairs, const Load& load, float* out,
+                     const NextTile& next = {}) {
   __m256 acc[U][MT][4];
+  PAGEDSERVE_UNROLL
   for (int u = 0; u < U; ++u)
+    PAGEDSERVE_UNROLL
     for (int i = 0; i < MT; ++i)
+      PAGEDSERVE_UNROLL
       for (int v = 0; v < 4; ++v) acc[u][i][v] = _mm256_setzero_ps();
   auto step = [&](int u, int64_t p) {
     if constexpr (Prefetch) load.prefetch(p);
+    next.at(p);
     __m256 xb[MT];
+    PAGEDSERVE_UNROLL
     for (int i = 0; i < MT; ++i)
       xb[i] = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x + i * ldx + 2 * p)));
+    PAGEDSERVE_UNROLL
     for (int v = 0; v < 4; ++v) {
       __m256 w = load(p, v);
+      PAGEDSERVE_UNROLL
       for (int i = 0; i < MT; ++i) acc[u][i][v] = _mm256_fmadd_ps(w, xb[i], acc[u][i][v]);
     }
   };
   int64_t p = 0;
   for (; p + U <= pairs; p += U)
+    PAGEDSERVE_UNROLL
     for (int u = 0; u < U; ++u) step(u, p + u);
   for (; p < pairs; ++p) step(0, p);
+  PAGEDSERVE_UNROLL
   for (int i = 0; i < MT; ++i) {
+    PAGEDSERVE_UNROLL
     for (int v = 0; v < 4; ++v)
       for (int u = 1; u < U; ++u) acc[0][i][v] = _mm256_add_ps(acc[0][i][v], acc[u][i][v]);
     _mm256_storeu_ps(out + i * kTile, fold_pairs(acc[0][i][0], acc[0][i][1]));
@@ -159,18 +207,24 @@ inline void tile_dot(const float* x, int64_t ldx, int64_t pairs, const Load& loa
 // weights cost 2 integer ops (the generic loader's zero-extend + shift costs 4) and each
 // accumulator holds one channel's sum: no horizontal adds at the end.
 template <int MT, int U, bool Prefetch = true>
-inline void tile_dot_bf16(const float* x, int64_t ldx, int64_t pairs, const uint16_t* w, float* out) {
+inline void tile_dot_bf16(const float* x, int64_t ldx, int64_t pairs, const uint16_t* w, float* out,
+                          const NextTile& next = {}) {
   __m256 acc[U][MT][4];
+  PAGEDSERVE_UNROLL
   for (int u = 0; u < U; ++u)
+    PAGEDSERVE_UNROLL
     for (int i = 0; i < MT; ++i)
+      PAGEDSERVE_UNROLL
       for (int v = 0; v < 4; ++v) acc[u][i][v] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   auto step = [&](int u, int64_t p) {
     if constexpr (Prefetch) prefetch_ahead(w + p * 32, 64);
+    next.at(p);
     const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
     const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
     const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(b0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(b0, high));
     const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(b1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(b1, high));
+    PAGEDSERVE_UNROLL
     for (int i = 0; i < MT; ++i) {
       const __m256 xe = _mm256_broadcast_ss(x + i * ldx + 2 * p), xo = _mm256_broadcast_ss(x + i * ldx + 2 * p + 1);
       acc[u][i][0] = _mm256_fmadd_ps(e0, xe, acc[u][i][0]);
@@ -181,9 +235,12 @@ inline void tile_dot_bf16(const float* x, int64_t ldx, int64_t pairs, const uint
   };
   int64_t p = 0;
   for (; p + U <= pairs; p += U)
+    PAGEDSERVE_UNROLL
     for (int u = 0; u < U; ++u) step(u, p + u);
   for (; p < pairs; ++p) step(0, p);
+  PAGEDSERVE_UNROLL
   for (int i = 0; i < MT; ++i) {
+    PAGEDSERVE_UNROLL
     for (int v = 0; v < 4; ++v)
       for (int u = 1; u < U; ++u) acc[0][i][v] = _mm256_add_ps(acc[0][i][v], acc[u][i][v]);
     _mm256_storeu_ps(out + i * kTile, _mm256_add_ps(acc[0][i][0], acc[0][i][1]));
@@ -199,26 +256,36 @@ inline void tile_all_rows(const float* x, int64_t M, int64_t K, const Load& load
   // Row blocks of 3 (12 accumulators, the 16 AVX2 registers nearly full) only where 6 or more
   // rows amortize them; 4 rows ran 1.2x faster as 2 + 2 than as 3 + 1 (benchmarks/gemv_micro.py).
   // Every block has U = 1, so a row's sums do not depend on the block it falls in.
-  int64_t m = 0;
-  if (M >= 6) {
-    tile_dot<3, 1>(x, K, pairs, load, sums);
-    for (m = 3; m + 3 <= M; m += 3) tile_dot<3, 1, Load, false>(x + m * K, K, pairs, load, sums + m * kTile);
+  const int64_t triples = M >= 6 ? M / 3 : 0, rest = M - 3 * triples;
+  const int64_t blocks = triples + rest / 2 + rest % 2, tile_bytes = Load::kTileBytesPerPair * pairs;
+  const auto* next = reinterpret_cast<const char*>(load.w) + tile_bytes;
+  auto share = [&](int64_t block) { return NextTile::share(next, tile_bytes, pairs, block, blocks); };
+  int64_t m = 0, block = 0;
+  if (triples > 0) {
+    tile_dot<3, 1>(x, K, pairs, load, sums, share(block++));
+    for (m = 3; m + 3 <= M; m += 3) tile_dot<3, 1, Load, false>(x + m * K, K, pairs, load, sums + m * kTile, share(block++));
   } else {
-    tile_dot<2, 1>(x, K, pairs, load, sums);
+    tile_dot<2, 1>(x, K, pairs, load, sums, share(block++));
     m = 2;
   }
-  for (; m + 2 <= M; m += 2) tile_dot<2, 1, Load, false>(x + m * K, K, pairs, load, sums + m * kTile);
-  if (M - m == 1) tile_dot<1, 2, Load, false>(x + m * K, K, pairs, load, sums + m * kTile);
+  for (; m + 2 <= M; m += 2) tile_dot<2, 1, Load, false>(x + m * K, K, pairs, load, sums + m * kTile, share(block++));
+  if (M - m == 1) tile_dot<1, 2, Load, false>(x + m * K, K, pairs, load, sums + m * kTile, share(block++));
 }
 inline void tile_all_rows(const float* x, int64_t M, int64_t K, const LoadBF16& load, float* sums) {
   const int64_t pairs = K / 2;
   if (M == 1) return tile_dot_bf16<1, 2>(x, K, pairs, load.w, sums);
   // Two rows at a time: 8 accumulators + 4 weight vectors + 2 broadcasts + the mask fit the 16
   // AVX2 registers (blocks of 3 spilled: 8 rows ran 1.5x slower than as 4 blocks of 2).
-  tile_dot_bf16<2, 1>(x, K, pairs, load.w, sums);
+  const int64_t blocks = (M + 1) / 2, tile_bytes = pairs * 64;
+  const uint16_t* next = load.w + pairs * 32;
+  tile_dot_bf16<2, 1>(x, K, pairs, load.w, sums, NextTile::share(next, tile_bytes, pairs, 0, blocks));
   int64_t m = 2;
-  for (; m + 2 <= M; m += 2) tile_dot_bf16<2, 1, false>(x + m * K, K, pairs, load.w, sums + m * kTile);
-  if (M - m == 1) tile_dot_bf16<1, 2, false>(x + m * K, K, pairs, load.w, sums + m * kTile);
+  for (; m + 2 <= M; m += 2)
+    tile_dot_bf16<2, 1, false>(x + m * K, K, pairs, load.w, sums + m * kTile,
+                               NextTile::share(next, tile_bytes, pairs, m / 2, blocks));
+  if (M - m == 1)
+    tile_dot_bf16<1, 2, false>(x + m * K, K, pairs, load.w, sums + m * kTile,
+                               NextTile::share(next, tile_bytes, pairs, m / 2, blocks));
 }
 
 // Runs `body(t, sums)` for every tile, tiles split across threads in contiguous ranges
@@ -295,22 +362,28 @@ struct ChanI4 {
 // `prefetch`: the first row block of a tile only (see tile_dot); once a group, so a plain flag.
 template <int MT, int U, class Load, class Epilogue>
 inline void chan_groups(const float* x, int64_t ldx, int64_t K, int64_t group, const Load& load,
-                        Epilogue epilogue, bool prefetch = true) {
+                        Epilogue epilogue, bool prefetch = true, const NextTile& next = {}) {
   for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, ++g) {
     __m256 acc[U][MT][2];
+    PAGEDSERVE_UNROLL
     for (int u = 0; u < U; ++u)
+      PAGEDSERVE_UNROLL
       for (int i = 0; i < MT; ++i) acc[u][i][0] = acc[u][i][1] = _mm256_setzero_ps();
     if (prefetch) prefetch_ahead(load.at(g0), group * Load::kBytesPerK);
+    next.at(g);
     for (int64_t k = g0; k < g0 + group; k += U)  // group % U == 0 (group is a multiple of 32)
+      PAGEDSERVE_UNROLL
       for (int u = 0; u < U; ++u) {
         __m256 lo, hi;
         load(k + u, lo, hi);
+        PAGEDSERVE_UNROLL
         for (int i = 0; i < MT; ++i) {
           const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k + u);
           acc[u][i][0] = _mm256_fmadd_ps(lo, xb, acc[u][i][0]);
           acc[u][i][1] = _mm256_fmadd_ps(hi, xb, acc[u][i][1]);
         }
       }
+    PAGEDSERVE_UNROLL
     for (int i = 0; i < MT; ++i)
       for (int u = 1; u < U; ++u) {
         acc[0][i][0] = _mm256_add_ps(acc[0][i][0], acc[u][i][0]);
@@ -330,11 +403,15 @@ inline void chan_all_rows(const float* x, int64_t M, int64_t K, int64_t group, c
   };
   if (M == 1) return chan_groups<1, 4>(x, K, K, group, load, at(0));
   if (M == 2) return chan_groups<2, 2>(x, K, K, group, load, at(0));
+  const int64_t blocks = (M + 3) / 4, tile_bytes = K * Load::kBytesPerK;
+  auto share = [&](int64_t m0) {
+    return NextTile::share(load.at(K), tile_bytes, K / group, m0 / 4, blocks);
+  };
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) chan_groups<4, 1>(x + m * K, K, K, group, load, at(m), m == 0);
-  if (M - m == 3) chan_groups<3, 1>(x + m * K, K, K, group, load, at(m), m == 0);
-  if (M - m == 2) chan_groups<2, 2>(x + m * K, K, K, group, load, at(m), m == 0);
-  if (M - m == 1) chan_groups<1, 4>(x + m * K, K, K, group, load, at(m), m == 0);
+  for (; m + 4 <= M; m += 4) chan_groups<4, 1>(x + m * K, K, K, group, load, at(m), m == 0, share(m));
+  if (M - m == 3) chan_groups<3, 1>(x + m * K, K, K, group, load, at(m), m == 0, share(m));
+  if (M - m == 2) chan_groups<2, 2>(x + m * K, K, K, group, load, at(m), m == 0, share(m));
+  if (M - m == 1) chan_groups<1, 4>(x + m * K, K, K, group, load, at(m), m == 0, share(m));
 }
 
 inline __m256 load_half8(const c10::Half* p) {
@@ -493,18 +570,22 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float* d
 // `prefetch`: the first row block of a tile only (see tile_dot).
 template <int MT>
 inline void q8_tile_rows(const int8_t* xq, const float* dx, int64_t K, int64_t group, const int8_t* qt,
-                         const c10::Half* st, float* tot, bool prefetch) {
+                         const c10::Half* st, float* tot, bool prefetch, const NextTile& next) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t blocks_per_group = group / 32;
   for (int64_t b = 0; b < K / 32; ++b) {
     __m256i acc[MT][2];
+    PAGEDSERVE_UNROLL
     for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
     const int8_t* wb = qt + b * 32 * kTile;  // 8 quads x 64 bytes
     if (prefetch) prefetch_ahead(wb, 32 * kTile);
+    next.at(b);
+    PAGEDSERVE_UNROLL
     for (int c = 0; c < 8; ++c) {
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64 + 32));
       const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);  // |w|
+      PAGEDSERVE_UNROLL
       for (int i = 0; i < MT; ++i) {
         int32_t quad;
         std::memcpy(&quad, xq + i * K + b * 32 + c * 4, 4);
@@ -517,6 +598,7 @@ inline void q8_tile_rows(const int8_t* xq, const float* dx, int64_t K, int64_t g
     }
     const c10::Half* sg = st + (b / blocks_per_group) * kTile;
     const __m256 s0 = load_half8(sg), s1 = load_half8(sg + 8);
+    PAGEDSERVE_UNROLL
     for (int i = 0; i < MT; ++i) {
       const __m256 d = _mm256_set1_ps(dx[i * (K / 32) + b]);
       float* o = tot + i * kTile;
@@ -543,11 +625,17 @@ void int8_q8_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& s
     const c10::Half* st = sd + t * groups * kTile;
     // Row blocks of at most 4 (8 int32 accumulators + 4 weight vectors in 16 registers).
     // The first block prefetches the tile ahead; the later ones find it in the caches.
+    const int64_t blocks = (M + 3) / 4;
+    auto share = [&](int64_t m0) { return NextTile::share(qt + K * kTile, K * kTile, nb, m0 / 4, blocks); };
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) q8_tile_rows<4>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile, m == 0);
-    if (M - m == 3) q8_tile_rows<3>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile, m == 0);
-    if (M - m == 2) q8_tile_rows<2>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile, m == 0);
-    if (M - m == 1) q8_tile_rows<1>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile, m == 0);
+    for (; m + 4 <= M; m += 4)
+      q8_tile_rows<4>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile, m == 0, share(m));
+    if (M - m == 3)
+      q8_tile_rows<3>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile, m == 0, share(m));
+    if (M - m == 2)
+      q8_tile_rows<2>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile, m == 0, share(m));
+    if (M - m == 1)
+      q8_tile_rows<1>(xq.data() + m * K, dx.data() + m * nb, K, group, qt, st, tot + m * kTile, m == 0, share(m));
     out.store(tot, M, t);
   });
 }
