@@ -12,11 +12,12 @@ from torch import nn
 BF16_ULP = 2.0**-7
 SHAPES = [(48, 64), (96, 256), (32, 384)]  # (out, in); 384 = 3 groups of 128
 
-# Every op test runs these: float32 and bfloat16 x, 0..8 rows (the kernel's register blocks and
-# their remainders), each shape, with and without bias.
+# Every op test runs these: float32 and bfloat16 x, 0..32 rows (the kernel's register blocks of
+# 1-4 rows and their remainders, several blocks sharing a tile's next-tile prefetch, the row
+# limit), each shape, with and without bias.
 op_cases = [
     pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16]),
-    pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8]),
+    pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 13, 32]),
     pytest.mark.parametrize("shape", SHAPES),
     pytest.mark.parametrize("with_bias", [False, True]),
 ]

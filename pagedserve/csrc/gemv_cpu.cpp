@@ -1,4 +1,4 @@
-// Skinny linear layers (a decode step: M <= 8 rows) that stream the weight at memory speed.
+// Skinny linear layers (decode steps: M <= 32 rows) that stream the weight at memory speed.
 //
 // A decode step at batch 1 reads every weight once and does 2 FLOPs per weight, so its
 // linear layers are bound by how fast the weight streams from DRAM. oneDNN's prepacked GEMM
@@ -66,7 +66,10 @@ namespace {
 using pagedserve::bf16;
 
 constexpr int kTile = 16;          // output channels per tile
-constexpr int64_t kMaxRows = 8;    // the op refuses more (larger batches: the GEMM path)
+// The op refuses more rows (larger steps: the GEMM path). Up to 32 rows one pass over the
+// weight with the next-tile prefetch beat oneDNN's packed GEMM (float32, 1.6x at 16 rows) and
+// the widened bf16 GEMM (3x) on SmolLM2 / 125M shapes (BENCHMARKS.md, session 12).
+constexpr int64_t kMaxRows = 32;
 
 #if defined(PAGEDSERVE_AVX2)
 

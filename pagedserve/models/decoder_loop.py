@@ -12,8 +12,8 @@ order with the same arguments, so the hidden states are the Python layers' bit f
                            more                          its method's GEMM (`gemm_op`)
     final norm                                           Python (LlamaModel.forward)
 
-A model whose methods have no single-op GEMM call (group-wise int8 / int4 chunk or dequantize
-above 8 rows) runs its steps of more than 8 tokens through its own forward.
+A model whose methods have no single-op GEMM call (group-wise int8 / int4 dequantize above
+gemv.MAX_ROWS rows) runs its larger steps through its own forward.
 
 It is built once, after the weights are processed (`build`), and only where every piece has
 its C++ path: a Llama / Mistral / Qwen2 model on CPU, one rank, the C++ attention

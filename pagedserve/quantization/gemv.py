@@ -1,10 +1,11 @@
-"""Decode-sized linear layers (at most 8 rows) through pagedserve/csrc/gemv_cpu.cpp.
+"""Decode-sized linear layers (at most MAX_ROWS = 32 rows) through pagedserve/csrc/gemv_cpu.cpp.
 
 Why: a batch-1 decode step reads every weight once, so it is bound by memory bandwidth,
 and oneDNN's prepacked GEMM (blocked for ~64 rows) reads a one-row product at well under
 what the machine streams (the issue-18 profile: 88% of a SmolLM2 bf16 token in it, ~20 GB/s).
 The C++ kernel streams the weight once, front to back per thread, doing every row's
-multiply-adds on each weight vector while it is in registers.
+multiply-adds on each weight vector while it is in registers (a few rows) or in the caches
+(more rows, in register blocks, the next tile streaming meanwhile).
 
 Layout of full-precision and per-channel int8 weights ("pair tiles", the one
 `int8.pack_for_cpp` already uses for int8):
@@ -37,15 +38,12 @@ import torch
 from pagedserve import cpp_build, envs
 
 TILE = 16
-# Rows up to which the kernel is used (its build refuses more; a decode batch this small is
-# memory-bound, a larger one is better served by a blocked GEMM).
-MAX_ROWS = 8
+# Rows up to which the kernel is used (its build refuses more). A decode step this small reads
+# every weight once and multiplies all its rows while the weight is in the caches; past ~32
+# rows a blocked GEMM (oneDNN) multiplies faster than the kernel's register tiles.
+MAX_ROWS = 32
 # Activation dtypes the ops take (a float16 model's layers use their torch paths).
 X_DTYPES = (torch.float32, torch.bfloat16)
-# Group-wise methods: rows up to which they call the kernel 8 rows at a time rather than
-# dequantize the whole weight for a GEMM (the kernel multiplies 8 rows at ~the GEMM's rate
-# here, and dequantizing costs a pass over every weight per call).
-GROUPED_MAX_ROWS = 32
 
 
 @functools.lru_cache(maxsize=1)  # a no-argument cache: ~50 ns on the per-layer hot path
@@ -223,10 +221,3 @@ def int4_grouped(
     """x (..., in) float32/bf16 -> x W^T + b (..., out) in x.dtype, W = (q - 8) * scale + zero
     (bf16 parameters) or q * d + m (fp16), float32 products and sums; at most MAX_ROWS rows."""
     return _ops().gemv_int4_grouped(x, tiles, scales_zeros, bias)
-
-
-def in_chunks(op: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
-    """op(x, *args) for x with more than MAX_ROWS rows: MAX_ROWS rows per call, concatenated."""
-    x2 = x.reshape(-1, x.shape[-1])
-    y = torch.cat([op(c, *args) for c in x2.split(MAX_ROWS)])
-    return y.reshape(*x.shape[:-1], y.shape[-1])

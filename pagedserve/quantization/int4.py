@@ -17,7 +17,7 @@ the bf16-rounded scale and zero, so the stored values are the ones q was fitted 
 `apply` where the decode GEMV kernel runs (AVX2/FMA; quantization/gemv.py, `gemv_int4_grouped`):
 the layer keeps its weights only as the kernel's channel tiles (`qweight_tiles` (out/16, in, 8)
 uint8, `scales_zeros_tiles` (out/16, in/g, 2, 16) bfloat16, the same numbers), and
-  * rows <= 32: the kernel, 8 rows per call: x as it is (float32 for a float32 model), float32
+  * rows <= 32 (gemv.MAX_ROWS): the kernel, one call: x as it is (float32 for a float32 model), float32
     products of x and the exact (q - 8) * scale + zero, float32 sums, one rounding to x's dtype;
   * more rows: the weight dequantized block by block into bfloat16 where the CPU multiplies
     bf16 natively (AVX512-BF16 / AMX), else into float32 (a bf16 GEMM without native support
@@ -277,8 +277,6 @@ class Int4LinearMethod(LinearMethod):
         kernel = x.dtype in gemv.X_DTYPES
         if kernel and rows <= gemv.MAX_ROWS:  # a decode step: one op, x as it is
             return gemv.int4_grouped(x, tiles, sz, bias)
-        if kernel and rows <= gemv.GROUPED_MAX_ROWS:
-            return gemv.in_chunks(gemv.int4_grouped, x, tiles, sz, bias)
         dtype = COMPUTE_DTYPE if cpu_has_native_bf16() else torch.float32
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
         parts = [F.linear(x2, w) for w in _tile_blocks(tiles, sz, dtype)]

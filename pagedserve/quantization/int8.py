@@ -23,8 +23,8 @@ Paths (the first that applies):
     `aten._weight_int8pack_mm`, more rows to the exact int8 -> bf16 conversion and a bf16
     GEMM (at 16 rows the former ran 133 GFLOP/s vs 79, at 32 rows 133 vs 195).
   * "gemv" (no AVX512-BF16, but the AVX2 decode GEMV kernel of quantization/gemv.py runs):
-    the same pair tiles as "cpp"; rows <= kernel_max_rows (16) through the GEMV kernel, 8 at a
-    time (the weight streamed at memory speed, 1.5-2x `_weight_int8pack_mm` at 1-8 rows),
+    the same pair tiles as "cpp"; rows <= kernel_max_rows (16) through the GEMV kernel in one
+    call (the weight streamed at memory speed, 1.5-2x `_weight_int8pack_mm` at 1-8 rows),
     more rows through the bf16 GEMM on tiles unpacked and converted chunk by chunk.
 `benchmarks/quantization.py --kernels` compares all of them; `benchmarks/gemv_micro.py` the
 GEMV kernel against the others at decode sizes. On the "cpp" path one-row calls go to the

@@ -13,9 +13,9 @@ so storing the scale in float16 adds no error. Cost: 8.5 bits per weight.
 
 Paths of `apply` (the same values: x times the exact q * scale, summed in float32; only the
 summation order differs, and for a bf16 model the torch path rounds q * scale to bf16):
-  * at most 8 rows (a decode step), where the decode GEMV kernel runs (quantization/gemv.py,
-    `gemv_int8_grouped`): the weight streams once at 1 byte + 1/16 per weight, the products
-    and sums in float32, the result rounded once to x's dtype; up to 32 rows, 8 at a time.
+  * at most 32 rows (gemv.MAX_ROWS: decode steps), where the decode GEMV kernel runs
+    (quantization/gemv.py, `gemv_int8_grouped`): the weight streams once at 1 byte + 1/16 per
+    weight, the products and sums in float32, the result rounded once to x's dtype.
     The layer then keeps its weights only as the kernel's channel tiles (no second copy);
   * with int8 activations (`activations="int8"`, QuantizationConfig.activations), the same
     row counts run `gemv_int8_q8` instead: x rounded to int8 per block of 32 (llama.cpp's
@@ -156,8 +156,6 @@ class Int8GroupedLinearMethod(LinearMethod):
             rows, bias = gemv.rows_of(x), getattr(layer, "bias", None)
             if rows <= gemv.MAX_ROWS:  # a decode step: one op, x as it is
                 return op(x, tiles, layer.scale_tiles, bias)
-            if rows <= gemv.GROUPED_MAX_ROWS:
-                return gemv.in_chunks(op, x, tiles, layer.scale_tiles, bias)
         x2 = x.reshape(-1, x.shape[-1])
         if self.activations == "int8":  # the kernel's rounding: one function at every row count
             x2 = gemv.q8_round_trip(x2)

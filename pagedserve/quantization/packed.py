@@ -16,7 +16,7 @@ differs from MKL's, so results agree with transformers to float rounding.
 Layer tensors after `process_weights_after_loading`:
     packed_weight  opaque oneDNN tensor, (out, in) logically; `.to_dense()` gives W back
     gemv_weight    W as pair tiles for the decode GEMV kernel (quantization/gemv.py), used
-                   for calls of at most 8 rows, where oneDNN reads the weight at a fraction
+                   for calls of at most gemv.MAX_ROWS (32) rows, where oneDNN reads the weight at a fraction
                    of the memory bandwidth; absent with PAGEDSERVE_GEMV=off or odd shapes
     weight         only where oneDNN cannot pack the dtype (bfloat16 without AVX512-BW /
                    AVX-NE-CONVERT): the dense weight; larger batches widen it to float32 per
@@ -131,7 +131,7 @@ class PackedLinearMethod(LinearMethod):
         if layer.weight.dtype == torch.bfloat16:
             # No oneDNN bf16 GEMM on this CPU (AVX2): torch's bf16 F.linear ran a 512-token
             # SmolLM2 prefill at 88 tok/s. The float32 GEMM on the widened weight (exact) is
-            # 6x faster; the widening is one pass over the weight, small beside > 8 rows of GEMM.
+            # 6x faster; the widening is one pass over the weight, small beside > 32 rows of GEMM.
             b = None if bias is None else bias.float()
             return F.linear(x.float(), layer.weight.float(), b).to(x.dtype)
         return F.linear(x, layer.weight, bias)

@@ -38,7 +38,7 @@ def test_tiles_round_trip_and_layout() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 11, 19, 32])
 @pytest.mark.parametrize("shape", [(48, 64), (96, 70), (16, 2)])  # 70: an odd number of pairs
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_dense_equals_f_linear(dtype: torch.dtype, rows: int, shape: tuple[int, int], with_bias: bool) -> None:
@@ -63,7 +63,7 @@ def test_dense_keeps_leading_dims() -> None:
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 6, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 8, 14, 32])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_int8_equals_reference_arithmetic(rows: int, x_dtype: torch.dtype) -> None:
     g = _gen(rows)
@@ -79,10 +79,14 @@ def test_int8_equals_reference_arithmetic(rows: int, x_dtype: torch.dtype) -> No
     assert (got == want).float().mean() > 0.99
 
 
+def test_python_row_limit_is_the_builds() -> None:
+    assert gemv.gemv_ops().max_rows() == gemv.MAX_ROWS
+
+
 def test_refuses_more_rows_and_bad_layout() -> None:
     w = gemv.pack_tiles(torch.randn(16, 8))
-    with pytest.raises(RuntimeError, match="at most 8 rows"):
-        gemv.dense(torch.randn(9, 8), w, None)
+    with pytest.raises(RuntimeError, match="at most 32 rows"):
+        gemv.dense(torch.randn(33, 8), w, None)
     with pytest.raises(RuntimeError, match="pair tiles"):
         gemv.dense(torch.randn(1, 10), w, None)
 
@@ -95,7 +99,7 @@ class _Linear(nn.Module):
 
 @pytest.mark.parametrize("rows", [0, 1, 8, 9, 16, 17, 40])
 def test_int8_method_keeps_one_copy_and_same_arithmetic(rows: int) -> None:
-    """Pair tiles only (no second copy); <= 16 rows through the GEMV 8 at a time ("gemv"
+    """Pair tiles only (no second copy); <= 16 rows through the GEMV in one call ("gemv"
     path), more through the bf16 GEMM on unpacked tiles: the same arithmetic everywhere."""
     w, bias = torch.randn(64, 96, generator=_gen(1)), torch.randn(64, generator=_gen(2))
     layer = _Linear(w, bias)

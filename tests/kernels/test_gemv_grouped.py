@@ -98,8 +98,8 @@ def test_int4_op_takes_ggufs_float16_d_and_m(rows: int) -> None:
 
 def test_grouped_ops_refuse_bad_input() -> None:
     tiles, scales = gemv.pack_int8_grouped(*quantize_int8_grouped(torch.randn(16, 64), 32))
-    with pytest.raises(RuntimeError, match="at most 8 rows"):
-        gemv.int8_grouped(torch.randn(9, 64), tiles, scales, None)
+    with pytest.raises(RuntimeError, match="at most 32 rows"):
+        gemv.int8_grouped(torch.randn(33, 64), tiles, scales, None)
     with pytest.raises(RuntimeError, match="channel tiles"):
         gemv.int8_grouped(torch.randn(1, 32), tiles, scales, None)
     with pytest.raises(RuntimeError, match="float16"):
@@ -114,7 +114,7 @@ def test_grouped_ops_refuse_bad_input() -> None:
 @pytest.mark.parametrize("method_name", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 32, 33, 100])
 def test_methods_keep_one_tiled_copy_and_match_the_reference(method_name: str, rows: int, monkeypatch) -> None:
-    """<= 8 rows: one kernel call; 9..32: 8 rows per call; more: the GEMM on weights
+    """<= 32 rows (gemv.MAX_ROWS): one kernel call; more: the GEMM on weights
     dequantized from the tiles. The layer holds only the tiles (no second copy); with
     PAGEDSERVE_GEMV=off the same method keeps the untiled layout and gives the same values."""
     w, bias = weights(96, 256, 0), torch.randn(96, generator=gen(1))

@@ -98,8 +98,8 @@ def test_int8_q8_op_equals_integer_reference(
 def test_int8_q8_op_refuses_bad_input() -> None:
     q, scale = quantize_int8_grouped(torch.randn(16, 64), 32)
     quads, scales = gemv.pack_int8_quads(q), gemv.pack_int8_grouped(q, scale)[1]
-    with pytest.raises(RuntimeError, match="at most 8 rows"):
-        gemv.int8_q8(torch.randn(9, 64), quads, scales, None)
+    with pytest.raises(RuntimeError, match="at most 32 rows"):
+        gemv.int8_q8(torch.randn(33, 64), quads, scales, None)
     with pytest.raises(RuntimeError, match="quad tiles"):
         gemv.int8_q8(torch.randn(1, 64), gemv.pack_int8_grouped(q, scale)[0], scales, None)
     with pytest.raises(RuntimeError, match="float16"):
@@ -115,7 +115,7 @@ def _q8_round_trip(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", [1, 8, 9, 32, 33])
 def test_method_with_int8_activations(rows: int) -> None:
-    """<= 32 rows through the kernel (8 per call); more rows: the GEMM on dequantized weights
+    """<= 32 rows through the kernel (one call); more rows: the GEMM on dequantized weights
     and x rounded as the kernel rounds it. The layer holds only the quad tiles."""
     w, bias = weights(96, 256, 0), torch.randn(96, generator=gen(1))
     layer = BareLinear(w, bias)
@@ -127,7 +127,7 @@ def test_method_with_int8_activations(rows: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(method.int_weight(layer), (q, scale), strict=True))
     x = torch.randn(rows, 256, generator=gen(rows))
     got = method.apply(layer, x)
-    if rows <= gemv.GROUPED_MAX_ROWS:
+    if rows <= gemv.MAX_ROWS:
         _check(got, x, q, scale, bias)
     else:
         want = F.linear(_q8_round_trip(x), dequantize_int8_grouped(q, scale), bias)

@@ -177,7 +177,7 @@ def test_int4_layer_equals_reference_arithmetic(rows: int) -> None:
     got = method.apply(layer, x)
     if hasattr(layer, "qweight_tiles"):  # the GEMV kernel's layout: float32 x, see int4.py
         want64 = F.linear(x.double(), dq.double(), bias.double())
-        bf16_gemm = rows > gemv.GROUPED_MAX_ROWS and cpu_has_native_bf16()
+        bf16_gemm = rows > gemv.MAX_ROWS and cpu_has_native_bf16()
         magnitude = F.linear(x.abs().double(), dq.abs().double())
         bound = magnitude * (2**-7 if bf16_gemm else 1e-5) + want64.abs() * (2**-8 if bf16_gemm else 0)
         assert ((got.double() - want64).abs() <= bound + 1e-5).all()
