@@ -57,6 +57,18 @@ def test_dense_equals_f_linear(dtype: torch.dtype, rows: int, shape: tuple[int, 
     assert ((got.double() - want).abs() <= bound + 1e-6).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_keeps_nan_and_inf_rows_apart(dtype: torch.dtype) -> None:
+    """A NaN / inf in one row's input makes that row NaN / inf, as F.linear does (the vector
+    bf16 store keeps a NaN a NaN), and leaves the other rows alone."""
+    w = torch.rand(32, 16, generator=_gen(5)).to(dtype)  # positive: the inf row stays +inf
+    x = torch.rand(3, 16, generator=_gen(6)).to(dtype)
+    x[0, 3], x[2, 7] = float("nan"), float("inf")
+    got, want = gemv.dense(x, gemv.pack_tiles(w), None), F.linear(x.float(), w.float())
+    assert torch.isnan(got[0]).all() and torch.isposinf(got[2]).all()
+    torch.testing.assert_close(got[1].float(), want[1], rtol=BF16_ULP, atol=1e-5)
+
+
 def test_dense_keeps_leading_dims() -> None:
     w, x = torch.randn(32, 8), torch.randn(2, 3, 8)
     got = gemv.dense(x, gemv.pack_tiles(w), None)
