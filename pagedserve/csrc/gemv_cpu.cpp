@@ -68,8 +68,12 @@ using pagedserve::bf16;
 constexpr int kTile = 16;          // output channels per tile
 // The op refuses more rows (larger steps: the GEMM path). Up to 32 rows one pass over the
 // weight with the next-tile prefetch beat oneDNN's packed GEMM (float32, 1.6x at 16 rows) and
-// the widened bf16 GEMM (3x) on SmolLM2 / 125M shapes (BENCHMARKS.md, session 12).
-constexpr int64_t kMaxRows = 32;
+// the widened bf16 GEMM (3x) on the 125M model's layers; benchmarks/gemv_rows.py builds a
+// variant with a higher limit (-DPAGEDSERVE_GEMV_MAX_ROWS=64) to find the crossover.
+#ifndef PAGEDSERVE_GEMV_MAX_ROWS
+#define PAGEDSERVE_GEMV_MAX_ROWS 32
+#endif
+constexpr int64_t kMaxRows = PAGEDSERVE_GEMV_MAX_ROWS;
 
 #if defined(PAGEDSERVE_AVX2)
 
