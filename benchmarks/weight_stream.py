@@ -106,10 +106,10 @@ def main() -> None:
     if not huge_pages.available():
         raise SystemExit("transparent huge pages are not available here")
     default = cpp_build.load(cpp_build.GEMV).require()
-    no_ahead = cpp_build.load(cpp_build.GEMV, ("-DPAGEDSERVE_PREFETCH_AHEAD=0", "-DPAGEDSERVE_NEXT_TILE=0"),
+    no_prefetch = cpp_build.load(cpp_build.GEMV, ("-DPAGEDSERVE_PREFETCH_AHEAD=0", "-DPAGEDSERVE_NEXT_TILE=0"),
                               "pagedserve_gemv_noprefetch").require()
     no_next = cpp_build.load(cpp_build.GEMV, ("-DPAGEDSERVE_NEXT_TILE=0",), "pagedserve_gemv_nonext").require()
-    builds = {"": no_ahead, "+pf-next": no_next, "+pf": default}
+    builds = {"": no_prefetch, "+pf-next": no_next, "+pf": default}
     columns = [f"{'4k' if not huge else '2M'}{name}" for huge in (False, True) for name in builds]
     print(f"threads={args.threads}, median of {args.rounds} rounds, each variant best of 3 passes a round")
     print(f"{'kind':9} {'rows':>4} {'MB':>6} | {' '.join(f'{c:>13}' for c in columns)} | ms (GB/s) | probe GB/s")

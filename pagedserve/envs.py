@@ -14,7 +14,7 @@ fails the engine's construction (`cpp_build.KernelUnavailable`); unset, a fallba
                                    RMSNorm, SiLU*mul and rotary as single C++ passes (see
                                    models/layers/fused_ops.py)
     PAGEDSERVE_GEMV                "cpp" | "off" | unset (auto: cpp on CPU when it builds)
-                                   decode-sized (<= 8 rows) linear layers through the C++
+                                   decode-sized (<= 32 rows) linear layers through the C++
                                    GEMV kernel, which keeps one more copy of the weights
                                    (see quantization/gemv.py)
     PAGEDSERVE_DECODER_LOOP        "cpp" | "off" | unset (auto: cpp where the model and its

@@ -136,7 +136,6 @@ struct NextTile {
 struct LoadF32 {
   const float* w;
   inline __m256 operator()(int64_t p, int v) const { return _mm256_loadu_ps(w + p * 32 + v * 8); }
-  static constexpr int64_t kTileBytesPerPair = 128;
   // None: float32 reads two lines a pair, and its stream ran ~12% faster on the hardware
   // prefetchers alone than with requests ahead (benchmarks/weight_stream.py, batch 1).
   inline void prefetch(int64_t) const {}
@@ -147,7 +146,6 @@ struct LoadBF16 {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + p * 32 + v * 8));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
-  static constexpr int64_t kTileBytesPerPair = 64;
   inline void prefetch(int64_t p) const { prefetch_ahead(w + p * 32, 64); }
 };
 struct LoadI8 {
@@ -156,7 +154,6 @@ struct LoadI8 {
     __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + p * 32 + v * 8));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
   }
-  static constexpr int64_t kTileBytesPerPair = 32;
   // 32 bytes a pair: every other pair starts a line.
   inline void prefetch(int64_t p) const { if ((p & 1) == 0) prefetch_ahead(w + p * 32, 64); }
 };
@@ -264,7 +261,7 @@ inline void tile_all_rows(const float* x, int64_t M, int64_t K, const Load& load
   // rows amortize them; 4 rows ran 1.2x faster as 2 + 2 than as 3 + 1 (benchmarks/gemv_micro.py).
   // Every block has U = 1, so a row's sums do not depend on the block it falls in.
   const int64_t triples = M >= 6 ? M / 3 : 0, rest = M - 3 * triples;
-  const int64_t blocks = triples + rest / 2 + rest % 2, tile_bytes = Load::kTileBytesPerPair * pairs;
+  const int64_t blocks = triples + rest / 2 + rest % 2, tile_bytes = pairs * 32 * int64_t{sizeof(*load.w)};
   const auto* next = reinterpret_cast<const char*>(load.w) + tile_bytes;
   auto share = [&](int64_t block) { return NextTile::share(next, tile_bytes, pairs, block, blocks); };
   int64_t m = 0, block = 0;
@@ -325,7 +322,7 @@ struct TileOut {
         yb(y.scalar_type() == at::kBFloat16 ? reinterpret_cast<c10::BFloat16*>(y.data_ptr()) : nullptr),
         bias(b), N(n) {}
   // y[m, 16 t + j] = tot[m * 16 + j] (+ bias), rounded once to y's dtype, 8 lanes at a time
-  // (a scalar bf16 conversion per element cost an 8-row LM head ~1 ms of 5).
+  // (a scalar bf16 conversion per element cost SmolLM2's 8-row bf16 LM head ~0.5 ms of 6.7).
   inline void store(const float* tot, int64_t M, int64_t t) const {
     const int64_t n0 = t * kTile;
     const __m256 b0 = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
@@ -367,7 +364,6 @@ void dense_impl(const at::Tensor& xf, const Elem* w, int64_t tiles, const at::Te
     out.store(sums, M, t);
   });
 }
-
 
 // ---- group-wise int8 / int4 ("channel tiles") -------------------------------------------
 
@@ -461,7 +457,6 @@ inline __m256 load_half8(const c10::Half* p) {
   return _mm256_load_ps(f);
 #endif
 }
-
 
 void int8_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& scale,
                        const float* bias, at::Tensor& y) {
@@ -640,7 +635,7 @@ void int8_q8_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& s
     const int8_t* qt = qd + t * K * kTile;
     const c10::Half* st = sd + t * groups * kTile;
     // Row blocks of at most 4 (8 int32 accumulators + 4 weight vectors in 16 registers).
-    // The first block prefetches the tile ahead; the later ones find it in the caches.
+    // The first block prefetches the tile ahead; every block requests its share of the next.
     const int64_t blocks = (M + 3) / 4;
     auto share = [&](int64_t m0) { return NextTile::share(qt + K * kTile, K * kTile, nb, m0 / 4, blocks); };
     int64_t m = 0;
