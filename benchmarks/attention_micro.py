@@ -20,6 +20,9 @@ Options compared (all produce the same output; checked against the default):
     cpp_index_copy   same, new K/V written by index_copy_ instead of the fused C++ write
     cpp_qtile=N      same, N query tokens per prefill work item (default 16)
     cpp_no_split     same, decodes never split across threads
+    cpp_row_loop     same, built with -DPAGEDSERVE_ATTN_ROW_BLOCKS=0: one query row at a time
+                     (K/V reloaded per row of a GQA group, next-tile prefetch in the score
+                     phase only; the kernel before session 13)
 
 Reference points printed first: memory read bandwidth (sum of a large tensor) and copy
 bandwidth into a preallocated buffer; decode rows report effective GB/s of real K/V read
@@ -47,6 +50,7 @@ from itertools import accumulate
 
 import torch
 
+from pagedserve import cpp_build
 from pagedserve.attention import cpp_paged
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import CommonAttentionMetadata
@@ -162,6 +166,13 @@ def cpp_options() -> dict[str, tuple[AttentionBackend, Callable | None]]:
     }
     for q_tile in (4, 8, 32, 64):
         opts[f"cpp_qtile={q_tile}"] = (make(q_tile=q_tile), None)
+    row_loop = cpp_build.load(
+        cpp_build.PAGED_ATTENTION,
+        ("-DPAGEDSERVE_ATTN_ROW_BLOCKS=0",),
+        namespace="pagedserve_attn_row_loop",
+    )
+    if row_loop.ops is not None:
+        opts["cpp_row_loop"] = (make(ops=row_loop.ops), None)
     return opts
 
 
