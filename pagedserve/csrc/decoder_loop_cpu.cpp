@@ -15,21 +15,23 @@
 // `weights` lists per layer: input_layernorm.weight, post_attention_layernorm.weight, then for
 // each of qkv_proj, o_proj, gate_up_proj, down_proj the tensors of its small-step call and of
 // its large-step call; `layout` gives per linear (small op, tensor count, large op, tensor
-// count): a step of at most `max_small_rows` tokens makes the small call (a GEMV), a larger
-// one the large call (oneDNN's packed GEMM or aten::linear, possibly on float32-widened
-// operands; op -1 = none: the Python side
-// never sends such a step). Each call's tensors are the op's arguments after x, bias last
-// when present (op codes: kLinearOps).
+// count, chunk rows): a step of at most `max_small_rows` tokens makes the small call (a GEMV),
+// one of at most `chunk rows` the small call on `max_small_rows` rows at a time (gemv.in_chunks),
+// a larger one the large call (oneDNN's packed GEMM or aten::linear, possibly on
+// float32-widened operands; op -1 = none: the Python side never sends such a step). Each call's
+// tensors are the op's arguments after x, bias last when present (op codes: kLinearOps).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <array>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "pagedserve_common.h"
 
@@ -51,6 +53,7 @@ constexpr const char* kLinearOps[] = {
 };
 constexpr int kNumLinearOps = 7;
 constexpr int kLinearsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
+constexpr int kLayoutPerLinear = 5;  // small op, count, large op, count, chunk rows
 
 template <class Fn>
 c10::TypedOperatorHandle<Fn> find_op(const char* name) {
@@ -95,9 +98,21 @@ struct Linear {
   int64_t op;
   const Tensor* args;
   int64_t count;
+  int64_t chunk = 0;  // > 0: x in pieces of this many rows, the results concatenated
 };
 
+Tensor run_linear(const Ops& o, const Linear& l, const Tensor& x);
+
+Tensor run_chunked(const Ops& o, const Linear& l, const Tensor& x) {
+  Linear one = l;
+  one.chunk = 0;
+  std::vector<Tensor> parts;
+  for (const Tensor& piece : x.split(l.chunk)) parts.push_back(run_linear(o, one, piece));
+  return at::cat(parts);
+}
+
 Tensor run_linear(const Ops& o, const Linear& l, const Tensor& x) {
+  if (l.chunk > 0 && x.size(0) > l.chunk) return run_chunked(o, l, x);
   const bool two_operands = l.op == 0 || l.op >= 4;  // (x, w) vs (x, q, scale)
   const bool has_bias = l.count == (two_operands ? 2 : 3);
   const OptTensor bias = has_bias ? OptTensor(l.args[l.count - 1]) : std::nullopt;
@@ -127,11 +142,11 @@ std::tuple<Tensor, Tensor> decoder_layers(
     int64_t head_dim, int64_t heads_per_task, double scale, double eps, int64_t max_small_rows) {
   const Ops& o = ops();
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(layout.size()) == layers * kLinearsPerLayer * 4,
-              "decoder_layers: layout must hold 2 x (op, tensor count) for 4 linears per layer");
+  TORCH_CHECK(static_cast<int64_t>(layout.size()) == layers * kLinearsPerLayer * kLayoutPerLinear,
+              "decoder_layers: layout must hold 2 x (op, tensor count) + chunk rows for 4 linears per layer");
   TORCH_CHECK(hidden_in.dim() == 2, "decoder_layers: hidden must be (tokens, hidden_size)");
+  TORCH_CHECK(max_small_rows >= 1, "decoder_layers: max_small_rows must be positive");
   const int64_t tokens = hidden_in.size(0);
-  const int64_t pick = tokens <= max_small_rows ? 0 : 2;  // the small or the large call
   const int64_t h = num_heads, kvh = num_kv_heads, d = head_dim;
   Tensor hidden = hidden_in, residual;
   size_t w = 0;
@@ -142,7 +157,10 @@ std::tuple<Tensor, Tensor> decoder_layers(
     const Tensor& post_norm = weights[w + 1];
     w += 2;
     for (int i = 0; i < kLinearsPerLayer; ++i) {
-      const int64_t* entry = layout.data() + (layer * kLinearsPerLayer + i) * 4;
+      const int64_t* entry = layout.data() + (layer * kLinearsPerLayer + i) * kLayoutPerLinear;
+      // The small call, in chunks up to entry[4] rows; the large call beyond.
+      const bool chunked = tokens > max_small_rows && tokens <= entry[4];
+      const int64_t pick = tokens <= max_small_rows || chunked ? 0 : 2;
       for (int call = 0; call < 4; call += 2) {
         const int64_t op = entry[call], count = entry[call + 1];
         TORCH_CHECK(op < kNumLinearOps && count >= 0 && count <= 3 && w + count <= weights.size() &&
@@ -150,7 +168,7 @@ std::tuple<Tensor, Tensor> decoder_layers(
                     "decoder_layers: bad layout entry for layer ", layer, " linear ", i);
         if (call == pick) {
           TORCH_CHECK(op >= 0, "decoder_layers: layer ", layer, " linear ", i, " has no call for ", tokens, " rows");
-          linear[i] = Linear{op, weights.data() + w, count};
+          linear[i] = Linear{op, weights.data() + w, count, chunked ? max_small_rows : 0};
         }
         w += static_cast<size_t>(count);
       }

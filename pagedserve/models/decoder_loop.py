@@ -9,6 +9,7 @@ order with the same arguments, so the hidden states are the Python layers' bit f
     embed_tokens, rotary_emb (cos, sin)                 Python, once a step (LlamaModel.forward)
     every layer                                          one C++ call (its `layer_stack`)
         each linear layer: T <= gemv.MAX_ROWS tokens     its method's GEMV (`decode_op`)
+                           T <= its decode_max_rows      the GEMV, gemv.MAX_ROWS rows a call
                            more                          its method's GEMM (`gemm_op`)
     final norm                                           Python (LlamaModel.forward)
 
@@ -64,7 +65,7 @@ class DecoderLoop:
         self.heads_per_task = backend.heads_per_task or attn.num_kv_heads  # as the backend's forward
         self.scale = float(attn.attn.scale)
         self.eps = float(model.model.layers[0].input_layernorm.eps)
-        # None: any step (every linear has a GEMM call); else gemv.MAX_ROWS.
+        # None: any step (every linear has a GEMM call); else the fewest rows a linear's GEMV takes.
         self.max_tokens = max_tokens
         self.kv_caches: list[torch.Tensor] = []
         # Steps this loop ran (read by tests and benchmarks).
@@ -97,8 +98,8 @@ class DecoderLoop:
                 raise ValueError(f"PAGEDSERVE_DECODER_LOOP=cpp, but {reason}")
             logger.info("decoder loop off: %s", reason)
             return None
-        weights, layout, any_size = _flatten(model)
-        return cls(model, backend, loaded.ops, weights, layout, None if any_size else gemv.MAX_ROWS)
+        weights, layout, max_tokens = _flatten(model)
+        return cls(model, backend, loaded.ops, weights, layout, max_tokens)
 
     def takes(self, num_tokens: int, meta: AttentionMetadata, adapter_tokens: bool = False) -> bool:
         """Whether this step can run here: a size every linear has a call for, no token of a
@@ -173,12 +174,14 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
     return tuple(m.base if isinstance(m, LoRALinear) else m for m in modules)
 
 
-def _flatten(model: nn.Module) -> tuple[list[torch.Tensor], list[int], bool]:
+def _flatten(model: nn.Module) -> tuple[list[torch.Tensor], list[int], int | None]:
     """The C++ loop's `weights` and `layout` (decoder_loop_cpu.cpp's header): per linear its
-    decode call, then its GEMM call or none; and whether every linear has a GEMM call."""
+    decode call, its GEMM call or none, and the rows up to which the decode call runs in
+    chunks; and the most tokens a step may have (None: any, every linear has a GEMM call)."""
     weights: list[torch.Tensor] = []
     layout: list[int] = []
     any_size = True
+    chunk_rows: list[int] = []
     for layer in model.model.layers:
         weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
         for linear in _linears(layer):
@@ -189,8 +192,10 @@ def _flatten(model: nn.Module) -> tuple[list[torch.Tensor], list[int], bool]:
             if gemm is None:
                 layout += [NO_CALL, 0]
                 any_size = False
-                continue
-            layout += [GEMM_OPS[gemm[0]], len(gemm[1])]
-            weights += [t.detach() if t.layout == torch.strided else t for t in gemm[1]]
-    return weights, layout, any_size
+            else:
+                layout += [GEMM_OPS[gemm[0]], len(gemm[1])]
+                weights += [t.detach() if t.layout == torch.strided else t for t in gemm[1]]
+            chunk_rows.append(linear.quant_method.decode_max_rows(linear))
+            layout.append(chunk_rows[-1])
+    return weights, layout, None if any_size else min(chunk_rows)
 

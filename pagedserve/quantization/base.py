@@ -72,6 +72,13 @@ class LinearMethod(ABC):
         The C++ decoder loop (models/decoder_loop.py) makes exactly this call."""
         return None
 
+    def decode_max_rows(self, layer: nn.Module) -> int:
+        """Rows up to which `apply` runs `decode_op`, in calls of at most `gemv.MAX_ROWS`
+        rows (`gemv.in_chunks`); `gemm_op` beyond. The C++ decoder loop does the same."""
+        from pagedserve.quantization import gemv
+
+        return gemv.MAX_ROWS
+
     def gemm_op(self, layer: nn.Module) -> LinearCall | None:
         """The same for x of more rows: "linear" (aten::linear), "linear_widened" (aten::linear
         on x, W and b widened to float32, the result back in x's dtype) or "mkldnn_linear"

@@ -42,6 +42,12 @@ TILE = 16
 # every weight once and multiplies all its rows while the weight is in the caches; past ~32
 # rows a blocked GEMM (oneDNN) multiplies faster than the kernel's register tiles.
 MAX_ROWS = 32
+# Rows up to which a bfloat16 layer on a CPU without oneDNN's bf16 GEMM (AVX2) still runs the
+# kernel, MAX_ROWS at a time (`in_chunks`): there the other path widens the whole weight to
+# float32 every call. The 125M model's 48 linears (benchmarks/gemv_rows.py, 2 AVX2 cores):
+# 32-row chunks vs the widened GEMM 84 vs 176 ms at 48 rows, 152 vs 224 at 96, 201 vs 269 at
+# 128, 525 vs 483 at 256 (the GEMM's blocking wins there).
+CHUNKED_MAX_ROWS = 128
 # Activation dtypes the ops take (a float16 model's layers use their torch paths).
 X_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -101,6 +107,16 @@ def unpack_tiles(tiles: torch.Tensor) -> torch.Tensor:
 def rows_of(x: torch.Tensor) -> int:
     """Rows of x (..., in) as a matrix."""
     return x.shape[0] if x.dim() == 2 else (x.numel() // x.shape[-1] if x.shape[-1] else 0)
+
+
+def in_chunks(op: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """op(x, *args) for x (..., in) of any rows, calling op on MAX_ROWS rows at a time (each
+    call streams the weight once; past MAX_ROWS a chunk is compute-bound, so the extra passes
+    cost little). The C++ decoder loop splits the same way."""
+    x2 = x.reshape(-1, x.shape[-1])
+    parts = [op(part, *args) for part in x2.split(MAX_ROWS)]
+    y = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def dense(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -19,7 +19,8 @@ Layer tensors after `process_weights_after_loading`:
                    for calls of at most gemv.MAX_ROWS (32) rows, where oneDNN reads the weight at a fraction
                    of the memory bandwidth; absent with PAGEDSERVE_GEMV=off or odd shapes
     weight         only where oneDNN cannot pack the dtype (bfloat16 without AVX512-BW /
-                   AVX-NE-CONVERT): the dense weight; larger batches widen it to float32 per
+                   AVX-NE-CONVERT): the dense weight; up to gemv.CHUNKED_MAX_ROWS rows the
+                   GEMV kernel runs 32 rows at a time, larger batches widen it to float32 per
                    call for F.linear (no bf16 GEMM instructions there)
 The dense `weight` parameter is otherwise deleted, so the oneDNN copy costs no extra memory
 (a tied LM head packs its own copy; the embedding keeps the table it looks rows up in); the
@@ -112,6 +113,13 @@ class PackedLinearMethod(LinearMethod):
         tiles = getattr(layer, "gemv_weight", None)
         return None if tiles is None else linear_call("gemv_dense", tiles, bias=getattr(layer, "bias", None))
 
+    def decode_max_rows(self, layer: nn.Module) -> int:
+        # bf16 without oneDNN's bf16 GEMM: the kernel in chunks beats widening the weight.
+        if hasattr(layer, "gemv_weight") and not hasattr(layer, "packed_weight") and \
+                layer.weight.dtype == torch.bfloat16:
+            return gemv.CHUNKED_MAX_ROWS
+        return gemv.MAX_ROWS
+
     def gemm_op(self, layer: nn.Module) -> LinearCall | None:
         bias, packed = getattr(layer, "bias", None), getattr(layer, "packed_weight", None)
         if packed is not None:
@@ -123,8 +131,12 @@ class PackedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         bias = getattr(layer, "bias", None)
         tiles = getattr(layer, "gemv_weight", None)
-        if tiles is not None and gemv.rows_of(x) <= gemv.MAX_ROWS:
-            return gemv.dense(x, tiles, bias)
+        if tiles is not None:
+            rows = gemv.rows_of(x)
+            if rows <= gemv.MAX_ROWS:
+                return gemv.dense(x, tiles, bias)
+            if rows <= self.decode_max_rows(layer):
+                return gemv.in_chunks(gemv.dense, x, tiles, bias)
         packed = getattr(layer, "packed_weight", None)
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

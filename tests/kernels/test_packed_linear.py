@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built with
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 64, 300])  # <= 8: the GEMV kernel
+# <= 32: the GEMV kernel; 33-128 bf16 without oneDNN's bf16 GEMM: the kernel 32 rows at a time
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 33, 64, 128, 129, 300])
 def test_packed_layer_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
     if dtype == torch.bfloat16 and not PACKED.supports(ReplicatedLinear(32, 32).to(dtype)):
         pytest.skip("oneDNN's bf16 reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT")
@@ -47,6 +48,31 @@ def test_packed_layer_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
     delta = torch.randn(80, 96).to(dtype)
     PACKED.add_to_weight(layer, delta)
     torch.testing.assert_close(layer(x), F.linear(x, weight + delta, bias), rtol=tol, atol=tol)
+
+
+def test_bf16_without_onednn_runs_the_kernel_in_chunks_up_to_its_limit() -> None:
+    """Where oneDNN has no bf16 GEMM, 33-128 rows run the GEMV kernel 32 rows a call (no
+    widening of the weight), more rows the float32 GEMM on the widened weight. (The two paths
+    round to the same bf16 values nearly always; the choice is a matter of speed, measured by
+    benchmarks/gemv_rows.py, so this checks the split and the results at the limits.)"""
+    if onednn_packs(torch.bfloat16) or gemv.gemv_ops() is None:
+        pytest.skip("oneDNN packs bf16 here, or the GEMV kernel is off")
+    torch.manual_seed(0)
+    k, n = 1024, 80
+    layer = ReplicatedLinear(k, n, bias=True)
+    layer.set_quant_method(PACKED)
+    weight, bias = torch.randn(n, k).to(torch.bfloat16), torch.randn(n).to(torch.bfloat16)
+    layer.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    layer.bias = nn.Parameter(bias.clone(), requires_grad=False)
+    PACKED.process_weights_after_loading(layer)
+    assert PACKED.decode_max_rows(layer) == gemv.CHUNKED_MAX_ROWS
+    for rows in (gemv.MAX_ROWS + 1, 70, gemv.CHUNKED_MAX_ROWS, gemv.CHUNKED_MAX_ROWS + 1):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        chunked = torch.cat([gemv.dense(p, layer.gemv_weight, bias) for p in x.split(gemv.MAX_ROWS)])
+        widened = F.linear(x.float(), weight.float(), bias.float()).to(torch.bfloat16)
+        expected = chunked if rows <= gemv.CHUNKED_MAX_ROWS else widened
+        assert torch.equal(layer(x), expected), rows
+        assert torch.equal(layer(x.view(1, rows, k)), expected.view(1, rows, n)), rows
 
 
 def test_loader_packs_every_linear_and_the_head_without_growing(model_path, monkeypatch) -> None:
