@@ -14,7 +14,7 @@ order with the same arguments, so the hidden states are the Python layers' bit f
     final norm                                           Python (LlamaModel.forward)
 
 A model whose methods have no single-op GEMM call (group-wise int8 / int4 dequantize above
-gemv.MAX_ROWS rows) runs its larger steps through its own forward.
+gemv.CHUNKED_MAX_ROWS rows) runs its larger steps through its own forward.
 
 It is built once, after the weights are processed (`build`), and only where every piece has
 its C++ path: a Llama / Mistral / Qwen2 model on CPU, one rank, the C++ attention

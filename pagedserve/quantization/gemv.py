@@ -42,11 +42,13 @@ TILE = 16
 # every weight once and multiplies all its rows while the weight is in the caches; past ~32
 # rows a blocked GEMM (oneDNN) multiplies faster than the kernel's register tiles.
 MAX_ROWS = 32
-# Rows up to which a bfloat16 layer on a CPU without oneDNN's bf16 GEMM (AVX2) still runs the
-# kernel, MAX_ROWS at a time (`in_chunks`): there the other path widens the whole weight to
-# float32 every call. The 125M model's 48 linears (benchmarks/gemv_rows.py, 2 AVX2 cores):
-# 32-row chunks vs the widened GEMM 84 vs 176 ms at 48 rows, 152 vs 224 at 96, 201 vs 269 at
-# 128, 525 vs 483 at 256 (the GEMM's blocking wins there).
+# Rows up to which a layer whose other path converts its whole weight every call still runs
+# the kernel, MAX_ROWS at a time (`in_chunks`): bfloat16 on a CPU without oneDNN's bf16 GEMM
+# (AVX2; the weight widened to float32) and the group-wise int8 / int4 methods (dequantized).
+# The 125M model's 48 bf16 linears (benchmarks/gemv_rows.py, 2 AVX2 cores): 32-row chunks vs
+# the widened GEMM 84 vs 176 ms at 48 rows, 152 vs 224 at 96, 201 vs 269 at 128, 525 vs 483
+# at 256 (the GEMM's blocking wins there); int8 / int4 on SmolLM2's layers 1.2-3.6x faster up
+# to 128 rows. float32 (oneDNN's packed GEMM, no conversion) stops at MAX_ROWS.
 CHUNKED_MAX_ROWS = 128
 # Activation dtypes the ops take (a float16 model's layers use their torch paths).
 X_DTYPES = (torch.float32, torch.bfloat16)

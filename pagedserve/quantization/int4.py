@@ -19,6 +19,8 @@ the layer keeps its weights only as the kernel's channel tiles (`qweight_tiles` 
 uint8, `scales_zeros_tiles` (out/16, in/g, 2, 16) bfloat16, the same numbers), and
   * rows <= 32 (gemv.MAX_ROWS): the kernel, one call: x as it is (float32 for a float32 model), float32
     products of x and the exact (q - 8) * scale + zero, float32 sums, one rounding to x's dtype;
+  * 33 to gemv.CHUNKED_MAX_ROWS (128) rows: the same kernel, 32 rows a call (1.8-3.6x faster
+    than dequantizing for the GEMM below on SmolLM2's layers, 2 AVX2 cores; 1.35x at 256);
   * more rows: the weight dequantized block by block into bfloat16 where the CPU multiplies
     bf16 natively (AVX512-BF16 / AMX), else into float32 (a bf16 GEMM without native support
     runs ~6x slower than fp32's), and the GEMM in that dtype.
@@ -254,6 +256,9 @@ class Int4LinearMethod(LinearMethod):
         return linear_call(
             "gemv_int4_grouped", tiles, layer.scales_zeros_tiles, bias=getattr(layer, "bias", None))
 
+    def decode_max_rows(self, layer: nn.Module) -> int:
+        return gemv.CHUNKED_MAX_ROWS if self.decode_op(layer) is not None else gemv.MAX_ROWS
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         tiles = getattr(layer, "qweight_tiles", None)
         if tiles is not None:
@@ -277,6 +282,8 @@ class Int4LinearMethod(LinearMethod):
         kernel = x.dtype in gemv.X_DTYPES
         if kernel and rows <= gemv.MAX_ROWS:  # a decode step: one op, x as it is
             return gemv.int4_grouped(x, tiles, sz, bias)
+        if kernel and rows <= gemv.CHUNKED_MAX_ROWS:
+            return gemv.in_chunks(gemv.int4_grouped, x, tiles, sz, bias)
         dtype = COMPUTE_DTYPE if cpu_has_native_bf16() else torch.float32
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
         parts = [F.linear(x2, w) for w in _tile_blocks(tiles, sz, dtype)]

@@ -24,6 +24,8 @@ summation order differs, and for a bf16 model the torch path rounds q * scale to
     layer then keeps its weights as the kernel's quad tiles (`gemv.pack_int8_quads`), and
     the GEMM path below (prefill; PAGEDSERVE_GEMV=off) multiplies x rounded the same way
     (`gemv.q8_round_trip`), so every row count computes one function;
+  * 33 to gemv.CHUNKED_MAX_ROWS (128) rows: the same kernel, 32 rows a call (1.2-2.2x faster
+    than dequantizing blocks for the GEMM below on SmolLM2's layers, 2 AVX2 cores);
   * more rows, or no kernel (PAGEDSERVE_GEMV=off, out % 16 != 0): y = x @ (q * scale)^T in
     the activation dtype (float32 for a float32 model: the weights are the only thing
     rounded), one block of output rows at a time (the block's dequantized copy, ~4 MiB,
@@ -147,6 +149,9 @@ class Int8GroupedLinearMethod(LinearMethod):
             return None
         return linear_call(op, tiles, layer.scale_tiles, bias=getattr(layer, "bias", None))
 
+    def decode_max_rows(self, layer: nn.Module) -> int:
+        return gemv.CHUNKED_MAX_ROWS if self.decode_op(layer) is not None else gemv.MAX_ROWS
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         tiles = getattr(layer, "qweight_tiles", None)
         op = gemv.int8_grouped
@@ -156,6 +161,8 @@ class Int8GroupedLinearMethod(LinearMethod):
             rows, bias = gemv.rows_of(x), getattr(layer, "bias", None)
             if rows <= gemv.MAX_ROWS:  # a decode step: one op, x as it is
                 return op(x, tiles, layer.scale_tiles, bias)
+            if rows <= gemv.CHUNKED_MAX_ROWS:
+                return gemv.in_chunks(op, x, tiles, layer.scale_tiles, bias)
         x2 = x.reshape(-1, x.shape[-1])
         if self.activations == "int8":  # the kernel's rounding: one function at every row count
             x2 = gemv.q8_round_trip(x2)

@@ -163,9 +163,9 @@ def test_int8_layer_equals_reference_arithmetic(rows: int, kernel: str) -> None:
     assert (got == want).float().mean() > 0.99
 
 
-# torch's kernel (<= 64 rows) and bf16 GEMM; or the GEMV kernel (<= 32 rows, 8 at a time) and
-# the GEMM on dequantized tiles
-@pytest.mark.parametrize("rows", [1, 9, 32, 33, 64, 65, 200])
+# torch's kernel (<= 64 rows) and bf16 GEMM; or the GEMV kernel (one call up to 32 rows, 32 rows
+# a call up to gemv.CHUNKED_MAX_ROWS) and the GEMM on dequantized tiles
+@pytest.mark.parametrize("rows", [1, 9, 32, 33, 64, 65, 128, 129, 200])
 def test_int4_layer_equals_reference_arithmetic(rows: int) -> None:
     w, bias = _weights(192, 256), torch.randn(192)
     layer = _Linear(w, bias)
@@ -177,7 +177,7 @@ def test_int4_layer_equals_reference_arithmetic(rows: int) -> None:
     got = method.apply(layer, x)
     if hasattr(layer, "qweight_tiles"):  # the GEMV kernel's layout: float32 x, see int4.py
         want64 = F.linear(x.double(), dq.double(), bias.double())
-        bf16_gemm = rows > gemv.MAX_ROWS and cpu_has_native_bf16()
+        bf16_gemm = rows > gemv.CHUNKED_MAX_ROWS and cpu_has_native_bf16()
         magnitude = F.linear(x.abs().double(), dq.abs().double())
         bound = magnitude * (2**-7 if bf16_gemm else 1e-5) + want64.abs() * (2**-8 if bf16_gemm else 0)
         assert ((got.double() - want64).abs() <= bound + 1e-5).all()

@@ -78,7 +78,8 @@ def test_groups_beat_one_scale_per_channel_on_outliers() -> None:
     assert grouped < channel / 5  # the outlier group still has its coarse step
 
 
-@pytest.mark.parametrize("rows", [1, 17, 200])
+# 1-32: one kernel call; 33-128: the kernel 32 rows a call; 200: dequantized blocks + GEMM
+@pytest.mark.parametrize("rows", [1, 17, 33, 128, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_equals_dense_reference(rows: int, dtype: torch.dtype) -> None:
     w, bias = _weights(192, 256), torch.randn(192)
