@@ -24,7 +24,7 @@
 // rows share every K / V load; accumulators stay in registers):
 //   scores  S[r, j] = q_r . k_j        4 keys x 3 rows at a time, reduced by a transpose-add
 //   softmax m_r, l_r updated online; p = exp(S - m_r) (vectorised polynomial exp)
-//   values  acc_r = acc_r * alpha_r + sum_j p[r, j] v_j   (half a 64-float row per pass)
+//   values  acc_r = acc_r * alpha_r + sum_j p[r, j] v_j   (4 vectors of the row per pass)
 // Rows r are (query token t, head g of the group): r = t * G + g. The next tile's K/V is
 // prefetched a few lines at a time through both phases: a burst fills the miss buffers and
 // the core stalls on them (decode x256: 19.8 -> 16.2 ms with blocks and spread prefetch).
@@ -256,28 +256,25 @@ inline void pv_all(float* acc, const float* alpha, const float* p, const T* cons
 
 // Blocks of RB query rows: each K / V vector loaded once for the block's rows (a GQA group
 // shares its KV head), accumulators in registers (RB * KB and RB * CB of them).
-// s[r * KT + j] = q_r . k[j] for r < RB, j < nk (nk a multiple of KB; missing keys point at a
-// zero row).
+// s[r * KT + j] = q_r . k[j] for r < RB, j < KB (missing keys point at a zero row).
 template <class V, class T, int RB, int KB>
-inline void dot_block(const float* q, const T* const* k, int nk, int D, float* s) {
+inline void dot_block(const float* q, const T* const* k, int D, float* s) {
   using R = typename V::R;
   constexpr int F = (RB * KB + V::W - 1) / V::W * V::W;  // reduced in groups of W vectors
-  for (int j0 = 0; j0 < nk; j0 += KB) {
-    R acc[F];
-    for (int i = 0; i < F; ++i) acc[i] = V::zero();
-    for (int c = 0; c < D; c += V::W) {
-      R qv[RB];
-      for (int r = 0; r < RB; ++r) qv[r] = V::load(q + r * D + c);
-      for (int j = 0; j < KB; ++j) {
-        const R kv = V::load(k[j0 + j] + c);
-        for (int r = 0; r < RB; ++r) acc[r * KB + j] = V::fma(qv[r], kv, acc[r * KB + j]);
-      }
+  R acc[F];
+  for (int i = 0; i < F; ++i) acc[i] = V::zero();
+  for (int c = 0; c < D; c += V::W) {
+    R qv[RB];
+    for (int r = 0; r < RB; ++r) qv[r] = V::load(q + r * D + c);
+    for (int j = 0; j < KB; ++j) {
+      const R kv = V::load(k[j] + c);
+      for (int r = 0; r < RB; ++r) acc[r * KB + j] = V::fma(qv[r], kv, acc[r * KB + j]);
     }
-    alignas(64) float out[F];
-    for (int i = 0; i < F; i += V::W) V::store(out + i, V::reduce(acc + i));
-    for (int r = 0; r < RB; ++r)
-      for (int j = 0; j < KB; ++j) s[r * KT + j0 + j] = out[r * KB + j];
   }
+  alignas(64) float out[F];
+  for (int i = 0; i < F; i += V::W) V::store(out + i, V::reduce(acc + i));
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < KB; ++j) s[r * KT + j] = out[r * KB + j];
 }
 
 // acc[r] = acc[r] * alpha[r] + sum_{j < n} p[r, j] * v[j] for RB rows, CB vectors of D at a time.
@@ -365,7 +362,7 @@ inline void score_block(const Params<T>& P, Scratch<T>& S, const T* const* kp, i
     const int nk = std::min(KT, (bmax + KB - 1) / KB * KB);
     for (int jb = 0; jb < nk; jb += KB) {
       pf.template step<V>(quota);
-      dot_block<V, T, RB, KB>(q + size_t(r0) * P.D, kp + jb, KB, P.D, s + jb);
+      dot_block<V, T, RB, KB>(q + size_t(r0) * P.D, kp + jb, P.D, s + jb);
     }
   }
   for (int r = 0; r < RB; ++r) {
