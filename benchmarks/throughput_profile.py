@@ -21,7 +21,7 @@ tokens >= half the step) and by running sequences. The profiled steps give each 
 shares of forward time, applied to the group's timed forward.
 
 First the GEMM rate at the workload's shapes: the engine's own linear path (oneDNN
-prepacked, the GEMV kernel up to 8 rows) for one layer's projections + the LM head at M
+prepacked, the GEMV kernel up to 32 rows) for one layer's projections + the LM head at M
 rows, in GFLOP/s, beside the 2048^3 probe the roofline uses as peak. "attainable" = each
 step's linears at that rate for its rows + its attention at the attention bound: what this
 machine's GEMM allows (`--gemm-rows` with no value skips it).
@@ -264,7 +264,7 @@ def schedule_only(args: argparse.Namespace, model: str, workload: list[dict], ma
 def gemm_ceiling(model: str, rows: list[int], reps: int) -> list[tuple[int, float]]:
     """GFLOP/s of one decoder layer's linears (q/k/v, o, gate/up, down) + the LM head through
     the engine's own linear path (the loaded layers: oneDNN prepacked, the GEMV kernel up to
-    8 rows) at M rows: what the GEMMs reach at the workload's shapes."""
+    gemv.MAX_ROWS rows) at M rows: what the GEMMs reach at the workload's shapes."""
     from pagedserve.models.layers.embedding import LMHead
     from pagedserve.models.layers.linear import LinearBase
 
