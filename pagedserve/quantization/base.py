@@ -72,11 +72,17 @@ class LinearMethod(ABC):
         The C++ decoder loop (models/decoder_loop.py) makes exactly this call."""
         return None
 
+    # Whether the path for more rows converts the whole weight on every call (dequantizes or
+    # widens it): such a method runs its decode op 32 rows a call up to gemv.CHUNKED_MAX_ROWS.
+    converts_weight_per_call = False
+
     def decode_max_rows(self, layer: nn.Module) -> int:
         """Rows up to which `apply` runs `decode_op`, in calls of at most `gemv.MAX_ROWS`
         rows (`gemv.in_chunks`); `gemm_op` beyond. The C++ decoder loop does the same."""
         from pagedserve.quantization import gemv
 
+        if self.converts_weight_per_call and self.decode_op(layer) is not None:
+            return gemv.CHUNKED_MAX_ROWS
         return gemv.MAX_ROWS
 
     def gemm_op(self, layer: nn.Module) -> LinearCall | None:

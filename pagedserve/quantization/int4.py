@@ -166,6 +166,7 @@ class Int4LinearMethod(LinearMethod):
     """
 
     name = "int4"
+    converts_weight_per_call = True  # dequantized for the GEMM past gemv.CHUNKED_MAX_ROWS
 
     def __init__(self, group_size: int = 128, kernel_max_rows: int = 64, gemv: bool = True) -> None:
         self.group_size = group_size
@@ -276,13 +277,12 @@ class Int4LinearMethod(LinearMethod):
         y = add_bias(y.to(x.dtype), layer)
         return y.reshape(*x.shape[:-1], n)
 
-    @staticmethod
-    def _apply_tiles(layer: nn.Module, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    def _apply_tiles(self, layer: nn.Module, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
         rows, bias, sz = gemv.rows_of(x), getattr(layer, "bias", None), layer.scales_zeros_tiles
         kernel = x.dtype in gemv.X_DTYPES
         if kernel and rows <= gemv.MAX_ROWS:  # a decode step: one op, x as it is
             return gemv.int4_grouped(x, tiles, sz, bias)
-        if kernel and rows <= gemv.CHUNKED_MAX_ROWS:
+        if kernel and rows <= self.decode_max_rows(layer):
             return gemv.in_chunks(gemv.int4_grouped, x, tiles, sz, bias)
         dtype = COMPUTE_DTYPE if cpu_has_native_bf16() else torch.float32
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)

@@ -84,6 +84,7 @@ class Int8GroupedLinearMethod(LinearMethod):
     """
 
     name = "int8-grouped"
+    converts_weight_per_call = True  # dequantized for the GEMM past gemv.CHUNKED_MAX_ROWS
 
     def __init__(self, group_size: int = 32, gemv: bool = True, activations: str = "none") -> None:
         if group_size not in GROUP_SIZES:
@@ -149,9 +150,6 @@ class Int8GroupedLinearMethod(LinearMethod):
             return None
         return linear_call(op, tiles, layer.scale_tiles, bias=getattr(layer, "bias", None))
 
-    def decode_max_rows(self, layer: nn.Module) -> int:
-        return gemv.CHUNKED_MAX_ROWS if self.decode_op(layer) is not None else gemv.MAX_ROWS
-
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         tiles = getattr(layer, "qweight_tiles", None)
         op = gemv.int8_grouped
@@ -161,7 +159,7 @@ class Int8GroupedLinearMethod(LinearMethod):
             rows, bias = gemv.rows_of(x), getattr(layer, "bias", None)
             if rows <= gemv.MAX_ROWS:  # a decode step: one op, x as it is
                 return op(x, tiles, layer.scale_tiles, bias)
-            if rows <= gemv.CHUNKED_MAX_ROWS:
+            if rows <= self.decode_max_rows(layer):
                 return gemv.in_chunks(op, x, tiles, layer.scale_tiles, bias)
         x2 = x.reshape(-1, x.shape[-1])
         if self.activations == "int8":  # the kernel's rounding: one function at every row count
