@@ -112,10 +112,10 @@ def test_grouped_ops_refuse_bad_input() -> None:
 
 
 @pytest.mark.parametrize("method_name", ["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 5, 8, 9, 32, 33, 100])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 32, 33, 100, 128, 129])
 def test_methods_keep_one_tiled_copy_and_match_the_reference(method_name: str, rows: int, monkeypatch) -> None:
-    """<= 32 rows (gemv.MAX_ROWS): one kernel call; more: the GEMM on weights
-    dequantized from the tiles. The layer holds only the tiles (no second copy); with
+    """<= 32 rows (gemv.MAX_ROWS): one kernel call; up to gemv.CHUNKED_MAX_ROWS: the kernel
+    32 rows a call; more: the GEMM on weights dequantized from the tiles. The layer holds only the tiles (no second copy); with
     PAGEDSERVE_GEMV=off the same method keeps the untiled layout and gives the same values."""
     w, bias = weights(96, 256, 0), torch.randn(96, generator=gen(1))
     layer = BareLinear(w, bias)
@@ -135,10 +135,11 @@ def test_methods_keep_one_tiled_copy_and_match_the_reference(method_name: str, r
     x = torch.randn(rows, 256, generator=gen(rows))
     got = method.apply(layer, x)
     _check(got, x, dq, bias)
-    if rows <= gemv.MAX_ROWS:  # the kernel itself gave it
+    if rows <= gemv.CHUNKED_MAX_ROWS:  # the kernel itself gave it, 32 rows a call
         tensors = method.weight_tensors(layer)
         op = gemv.int8_grouped if method_name == "int8" else gemv.int4_grouped
-        assert torch.equal(got, op(x, *tensors, bias))
+        want = torch.cat([op(part, *tensors, bias) for part in x.split(gemv.MAX_ROWS)])
+        assert torch.equal(got, want)
     monkeypatch.setenv("PAGEDSERVE_GEMV", "off")
     off = BareLinear(w, bias)
     method.process_weights_after_loading(off)

@@ -113,10 +113,10 @@ def _q8_round_trip(x: torch.Tensor) -> torch.Tensor:
     return (xq.float().view(flat.shape[0], flat.shape[1] // 32, 32) * d[..., None]).reshape(x.shape).to(x.dtype)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 9, 32, 33])
+@pytest.mark.parametrize("rows", [1, 8, 9, 32, 33, 128, 129])
 def test_method_with_int8_activations(rows: int) -> None:
-    """<= 32 rows through the kernel (one call); more rows: the GEMM on dequantized weights
-    and x rounded as the kernel rounds it. The layer holds only the quad tiles."""
+    """<= 32 rows through the kernel (one call), up to gemv.CHUNKED_MAX_ROWS 32 rows a call;
+    more rows: the GEMM on dequantized weights and x rounded as the kernel rounds it. The layer holds only the quad tiles."""
     w, bias = weights(96, 256, 0), torch.randn(96, generator=gen(1))
     layer = BareLinear(w, bias)
     method = Int8GroupedLinearMethod(32, activations="int8")
@@ -127,8 +127,10 @@ def test_method_with_int8_activations(rows: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(method.int_weight(layer), (q, scale), strict=True))
     x = torch.randn(rows, 256, generator=gen(rows))
     got = method.apply(layer, x)
-    if rows <= gemv.MAX_ROWS:
+    if rows <= gemv.CHUNKED_MAX_ROWS:
         _check(got, x, q, scale, bias)
+        tiles = method.weight_tensors(layer)
+        assert torch.equal(got, torch.cat([gemv.int8_q8(p, *tiles, bias) for p in x.split(gemv.MAX_ROWS)]))
     else:
         want = F.linear(_q8_round_trip(x), dequantize_int8_grouped(q, scale), bias)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
