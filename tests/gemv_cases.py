@@ -17,7 +17,7 @@ SHAPES = [(48, 64), (96, 256), (32, 384)]  # (out, in); 384 = 3 groups of 128
 # limit), each shape, with and without bias.
 op_cases = [
     pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16]),
-    pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 13, 32]),
+    pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32]),
     pytest.mark.parametrize("shape", SHAPES),
     pytest.mark.parametrize("with_bias", [False, True]),
 ]

@@ -252,6 +252,53 @@ inline void tile_dot_bf16(const float* x, int64_t ldx, int64_t pairs, const uint
   }
 }
 
+// bfloat16, 3 or more rows: MT rows times the whole tile, each row two accumulators (channels
+// 0-7 and 8-15) that take both k of a pair. The 2-row blocks above keep the pair's k apart
+// instead (4 accumulators a row); 8 chains of one multiply-add each per pair are just enough to
+// cover the FMA latency at 2 a cycle, and every stall showed. Here MT = 4 gives 8 chains of two
+// per pair with the 16 multiply-adds of a pair spread over them, 8 accumulators + the pair's
+// 4 weight vectors + a broadcast + the mask (14 registers); the weight's shift and mask are
+// shared by 4 rows instead of 2. A decode step's weight pass ran 1.20x faster at 8 rows, 1.15x
+// at 32, 1.07x at 3 (5 rows: equal); MT = 5 or 6, and halves of a tile with 8 rows, ran no better
+// or spilled. `-DPAGEDSERVE_BF16_ROW_BLOCKS4=0` builds the 2-row blocks for every row count
+// (benchmarks/gemv_variants.py compares builds).
+#ifndef PAGEDSERVE_BF16_ROW_BLOCKS4
+#define PAGEDSERVE_BF16_ROW_BLOCKS4 1
+#endif
+template <int MT, bool Prefetch>
+inline void tile_dot_bf16_rows(const float* x, int64_t ldx, int64_t pairs, const uint16_t* w, float* out,
+                               const NextTile& next) {
+  __m256 acc[MT][2];
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    if constexpr (Prefetch) prefetch_ahead(w + p * 32, 64);
+    next.at(p);
+    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
+    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(b0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(b0, high));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(b1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(b1, high));
+    PAGEDSERVE_UNROLL
+    for (int i = 0; i < MT; ++i) {
+      const __m256 xe = _mm256_broadcast_ss(x + i * ldx + 2 * p);
+      acc[i][0] = _mm256_fmadd_ps(e0, xe, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(e1, xe, acc[i][1]);
+    }
+    PAGEDSERVE_UNROLL
+    for (int i = 0; i < MT; ++i) {
+      const __m256 xo = _mm256_broadcast_ss(x + i * ldx + 2 * p + 1);
+      acc[i][0] = _mm256_fmadd_ps(o0, xo, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(o1, xo, acc[i][1]);
+    }
+  }
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < MT; ++i) {
+    _mm256_storeu_ps(out + i * kTile, acc[i][0]);
+    _mm256_storeu_ps(out + i * kTile + 8, acc[i][1]);
+  }
+}
+
 // All M rows times tile `t`: sums[m * 16 + j] for channels 16 t + j.
 template <class Load>
 inline void tile_all_rows(const float* x, int64_t M, int64_t K, const Load& load, float* sums) {
@@ -278,18 +325,39 @@ inline void tile_all_rows(const float* x, int64_t M, int64_t K, const Load& load
 inline void tile_all_rows(const float* x, int64_t M, int64_t K, const LoadBF16& load, float* sums) {
   const int64_t pairs = K / 2;
   if (M == 1) return tile_dot_bf16<1, 2>(x, K, pairs, load.w, sums);
-  // Two rows at a time: 8 accumulators + 4 weight vectors + 2 broadcasts + the mask fit the 16
-  // AVX2 registers (blocks of 3 spilled: 8 rows ran 1.5x slower than as 4 blocks of 2).
-  const int64_t blocks = (M + 1) / 2, tile_bytes = pairs * 64;
+  if (!PAGEDSERVE_BF16_ROW_BLOCKS4) {  // the earlier layout: blocks of 2 rows (and a last 1)
+    const int64_t blocks = (M + 1) / 2, tile_bytes = pairs * 64;
+    const uint16_t* next = load.w + pairs * 32;
+    tile_dot_bf16<2, 1>(x, K, pairs, load.w, sums, NextTile::share(next, tile_bytes, pairs, 0, blocks));
+    int64_t m = 2;
+    for (; m + 2 <= M; m += 2)
+      tile_dot_bf16<2, 1, false>(x + m * K, K, pairs, load.w, sums + m * kTile,
+                                 NextTile::share(next, tile_bytes, pairs, m / 2, blocks));
+    if (M - m == 1)
+      tile_dot_bf16<1, 2, false>(x + m * K, K, pairs, load.w, sums + m * kTile,
+                                 NextTile::share(next, tile_bytes, pairs, m / 2, blocks));
+    return;
+  }
+  // Row blocks: 4 (or a last 3) rows in tile_dot_bf16_rows; a last 2 or 1 in tile_dot_bf16,
+  // whose split accumulators suit few rows (2 rows alone: 8 accumulators + 4 weights + 2
+  // broadcasts + the mask fit the 16 AVX2 registers; blocks of 3 that way spilled).
+  const int64_t wide = M - M % 4 + (M % 4 == 3 ? 3 : 0);  // rows in blocks of 4 (and a last 3)
+  const int64_t rest = M - wide, blocks = (wide + 3) / 4 + (rest > 0 ? 1 : 0), tile_bytes = pairs * 64;
   const uint16_t* next = load.w + pairs * 32;
-  tile_dot_bf16<2, 1>(x, K, pairs, load.w, sums, NextTile::share(next, tile_bytes, pairs, 0, blocks));
-  int64_t m = 2;
-  for (; m + 2 <= M; m += 2)
-    tile_dot_bf16<2, 1, false>(x + m * K, K, pairs, load.w, sums + m * kTile,
-                               NextTile::share(next, tile_bytes, pairs, m / 2, blocks));
-  if (M - m == 1)
-    tile_dot_bf16<1, 2, false>(x + m * K, K, pairs, load.w, sums + m * kTile,
-                               NextTile::share(next, tile_bytes, pairs, m / 2, blocks));
+  auto share = [&](int64_t block) { return NextTile::share(next, tile_bytes, pairs, block, blocks); };
+  int64_t m = 0, block = 0;
+  for (; m < wide; m += 4, ++block) {
+    const int64_t rows = std::min<int64_t>(4, wide - m);
+    const float* xm = x + m * K;
+    float* out = sums + m * kTile;
+    if (rows == 4 && block == 0) tile_dot_bf16_rows<4, true>(xm, K, pairs, load.w, out, share(block));
+    else if (rows == 4) tile_dot_bf16_rows<4, false>(xm, K, pairs, load.w, out, share(block));
+    else if (block == 0) tile_dot_bf16_rows<3, true>(xm, K, pairs, load.w, out, share(block));
+    else tile_dot_bf16_rows<3, false>(xm, K, pairs, load.w, out, share(block));
+  }
+  if (rest == 2 && block == 0) tile_dot_bf16<2, 1>(x, K, pairs, load.w, sums, share(block));
+  else if (rest == 2) tile_dot_bf16<2, 1, false>(x + m * K, K, pairs, load.w, sums + m * kTile, share(block));
+  else if (rest == 1) tile_dot_bf16<1, 2, false>(x + m * K, K, pairs, load.w, sums + m * kTile, share(block));
 }
 
 // Runs `body(t, sums)` for every tile, tiles split across threads in contiguous ranges
@@ -428,7 +496,8 @@ inline void chan_groups(const float* x, int64_t ldx, int64_t K, int64_t group, c
 }
 
 // Runs chan_groups over all M rows in blocks of at most 4 (registers), the row block's first
-// row index passed to the epilogue as `m0`.
+// row index passed to the epilogue as `m0`. (Blocks of 5, 10 accumulators, ran 2.5% slower on
+// the model's weight pass at 8 and 16 rows, though faster on weights held in the caches.)
 template <class Load, class Epilogue>
 inline void chan_all_rows(const float* x, int64_t M, int64_t K, int64_t group, const Load& load,
                           Epilogue epilogue) {

@@ -38,7 +38,7 @@ def test_tiles_round_trip_and_layout() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 11, 19, 32])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 19, 32])
 @pytest.mark.parametrize("shape", [(48, 64), (96, 70), (16, 2)])  # 70: an odd number of pairs
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_dense_equals_f_linear(dtype: torch.dtype, rows: int, shape: tuple[int, int], with_bias: bool) -> None:
