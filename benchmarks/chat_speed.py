@@ -27,6 +27,14 @@ of the decode only (the first token, i.e. the prefill, excluded on both sides); 
 median over --runs, and the median of the per-run ratios. --loop-off adds pagedserve with
 PAGEDSERVE_DECODER_LOOP=off (the Python layers) to show what the C++ decoder loop buys.
 Without --llama-python only pagedserve runs.
+
+--batches 1 8 measures instead the time per output token with B requests decoding together
+(1-token prompts 1 .. B, the median decode step's wall time), pagedserve's engine step beside
+llama.cpp's batch API (one `llama_decode` per step, a sequence id per request), and each
+side's ratio to its own batch 1 (issue 18's "b8/b1"):
+
+    python benchmarks/chat_speed.py --llama-python /work/cache/llamacpp-venv/bin/python \
+        --configs fp32 bf16 int8 int8-a8-head gguf-head --batches 1 8 --runs 5
 """
 
 from __future__ import annotations
@@ -58,14 +66,67 @@ GGUF_NAME = "SmolLM2-135M-Instruct-{}.gguf"
 
 # ---- llama.cpp worker (runs under --llama-python) -------------------------------------------
 
+class LlamaCppBatched:
+    """B sequences decoding together through llama.cpp's own batch API (one `llama_decode`
+    per step, a sequence id per request, its default split KV cache: what `llama-batched-bench`
+    and `llama-server`'s slots run)."""
+
+    def __init__(self, path: str, threads: int, batch_size: int, max_len: int) -> None:
+        import llama_cpp as C
+
+        self.C, self.batch_size = C, batch_size
+        self.model = C.llama_model_load_from_file(path.encode(), C.llama_model_default_params())
+        params = C.llama_context_default_params()
+        params.n_ctx = max_len * batch_size
+        params.n_batch = params.n_ubatch = max(batch_size, 32)
+        params.n_seq_max = batch_size
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = C.llama_init_from_model(self.model, params)
+        self.n_vocab = C.llama_vocab_n_tokens(C.llama_model_get_vocab(self.model))
+        self.batch = C.llama_batch_init(batch_size, 0, batch_size)
+
+    def step(self, tokens: list[int], pos: int) -> list[int]:
+        """Decodes one token per sequence at position `pos`; returns each one's greedy next."""
+        import numpy as np
+
+        C, batch = self.C, self.batch
+        batch.n_tokens = len(tokens)
+        for i, token in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, True
+            batch.seq_id[i][0] = i
+        if C.llama_decode(self.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return [int(np.argmax(np.ctypeslib.as_array(C.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))))
+                for i in range(len(tokens))]
+
+    def tpot(self, tokens: int) -> float:
+        """Median ms of a decode step while all B sequences (1-token prompts 1 .. B) run."""
+        self.C.llama_memory_clear(self.C.llama_get_memory(self.ctx), True)
+        nxt = self.step([1 + i for i in range(self.batch_size)], 0)
+        times = []
+        for pos in range(1, tokens):
+            start = time.perf_counter()
+            nxt = self.step(nxt, pos)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+
 def worker(threads: int) -> None:
-    """Reads JSON commands from stdin: {"load": path} or {"decode": path, "tokens": n}."""
+    """Reads JSON commands from stdin: {"load": path}, {"decode": path, "tokens": n} or
+    {"tpot": path, "tokens": n, "batch": B}."""
     import numpy as np
     from llama_cpp import Llama
 
     models: dict[str, Llama] = {}
+    batched: dict[tuple[str, int], LlamaCppBatched] = {}
     for line in sys.stdin:
         cmd = json.loads(line)
+        if "tpot" in cmd:
+            key = (cmd["tpot"], cmd["batch"])
+            if key not in batched:
+                batched[key] = LlamaCppBatched(cmd["tpot"], threads, cmd["batch"], 256 * (1 + cmd["tokens"] // 256))
+            print(json.dumps({"ms": batched[key].tpot(cmd["tokens"])}), flush=True)
+            continue
         path = cmd.get("load") or cmd["decode"]
         if path not in models:
             models[path] = Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads,
@@ -114,7 +175,7 @@ def build_llm(path: str, kwargs: dict, env: dict[str, str]):
     from pagedserve import LLM
 
     with env_vars(env):
-        return LLM(path, max_model_len=512, kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False, **kwargs)
+        return LLM(path, max_model_len=512, kv_cache_memory_bytes=128 << 20, enable_prefix_caching=False, **kwargs)
 
 
 def pagedserve_decode(llm, tokens: int) -> float:
@@ -131,6 +192,45 @@ def pagedserve_decode(llm, tokens: int) -> float:
     return (tokens - 1) / (time.perf_counter() - start)
 
 
+def pagedserve_tpot(llm, batch: int, tokens: int) -> float:
+    """Median ms of a decode step (wall time of `engine.step()`) while `batch` requests with
+    1-token prompts 1 .. B decode `tokens` tokens together (greedy, EOS ignored)."""
+    from pagedserve import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"tpot-{i}", {"prompt_token_ids": [1 + i]}, params)
+    engine.step()  # the prefills: every request's first token
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def batch_table(name: str, llm, llama: LlamaCpp | None, gguf: str, args: argparse.Namespace) -> None:
+    """Time per output token at each of --batches on both engines, alternating run by run."""
+    suffix = Path(gguf).name
+    ms: dict[tuple[str, int], list[float]] = {}
+    pagedserve_tpot(llm, max(args.batches), 8)  # warm-up
+    for _ in range(args.runs):
+        for batch in args.batches:
+            ms.setdefault(("pagedserve", batch), []).append(pagedserve_tpot(llm, batch, args.tokens))
+            if llama is not None:
+                ms.setdefault(("llama.cpp", batch), []).append(
+                    llama.ask({"tpot": gguf, "tokens": args.tokens, "batch": batch})["ms"])
+    print(f"\n{name}: time per output token (ms, median of {args.runs} runs; llama.cpp file {suffix})")
+    for side in ("pagedserve", "llama.cpp"):
+        if (side, args.batches[0]) not in ms:
+            continue
+        row = {b: statistics.median(ms[(side, b)]) for b in args.batches}
+        first = args.batches[0]
+        print(f"  {side:11} " + "  ".join(f"b{b} {row[b]:6.2f}" for b in args.batches)
+              + "   " + "  ".join(f"b{b}/b{first} {row[b] / row[first]:.2f}" for b in args.batches[1:]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -142,6 +242,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--loop-off", action="store_true", help="also pagedserve without the C++ decoder loop")
+    parser.add_argument("--batches", type=int, nargs="+", default=None,
+                        help="instead of batch-1 tok/s: time per output token at these batch sizes on both "
+                             "engines (llama.cpp through its batch API), and each one's ratio to the first")
     args = parser.parse_args()
     if args.worker:
         worker(args.threads)
@@ -169,6 +272,10 @@ def main() -> None:
         speeds: dict[str, list[float]] = {label: [] for label in sides}
         if llama is not None:
             speeds[f"llama.cpp {suffix}"] = []
+        if args.batches:
+            batch_table(name, sides["pagedserve"], llama, gguf, args)
+            del sides
+            continue
         for llm in sides.values():  # warm-up
             pagedserve_decode(llm, 16)
         for _ in range(args.runs):
