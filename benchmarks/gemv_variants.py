@@ -1,6 +1,7 @@
 """The decode GEMV kernel against variant builds of itself, on a whole decode step's weight pass
 (SmolLM2's 30 layers and LM head, as benchmarks/weight_stream.py lays them out, 2 MiB pages) at
-several row counts, alternating pass by pass so the VM's swings hit every build alike.
+several row counts, alternating pass by pass (and which build goes first) so the VM's swings hit
+every build alike.
 
     python benchmarks/gemv_variants.py --kind bfloat16 --rows 3 4 5 6 8 16 32 \\
         --variant bf16_2row=-DPAGEDSERVE_BF16_ROW_BLOCKS4=0
@@ -26,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from latency import read_bandwidth  # noqa: E402
-from weight_stream import KINDS, SHAPES, layer_call  # noqa: E402
+from weight_stream import KINDS, SHAPES, pack_layer  # noqa: E402
 
 from pagedserve import cpp_build  # noqa: E402
 from pagedserve.worker import huge_pages  # noqa: E402
@@ -50,19 +51,23 @@ def main() -> None:
         name, _, flags = spec.partition("=")
         builds[name] = cpp_build.load(cpp_build.GEMV, tuple(flags.split()), f"pagedserve_gemv_variant{i}").require()
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(out, inp, generator=gen) / inp**0.5 for out, inp in SHAPES]
-    passes = {name: [(layer_call(args.kind, ops, w, huge)[0], w.shape[1]) for w in weights]
+    # One copy of the packed weights that every build reads (the layout is the same): where the
+    # weights lie in memory moved a pass by up to 15% when each build had its own copy.
+    layers = [(pack_layer(args.kind, torch.randn(out, inp, generator=gen) / inp**0.5, huge), inp)
+              for out, inp in SHAPES]
+    passes = {name: [(getattr(ops, op), tensors, inp) for (op, tensors, _), inp in layers]
               for name, ops in builds.items()}
     print(f"{args.kind}, threads={args.threads}, {'2 MiB' if huge else '4 KiB'} pages, {args.passes} passes a build, "
           f"read probe {read_bandwidth(repeats=3) / 1e9:.1f} GB/s")
     for rows in args.rows:
         xs = {inp: torch.randn(rows, inp, generator=gen) for inp in {inp for _, inp in SHAPES}}
         times: dict[str, list[float]] = {name: [] for name in passes}
-        for _ in range(args.passes):
-            for name, calls in passes.items():
+        order = list(passes.items())
+        for i in range(args.passes):
+            for name, calls in order if i % 2 == 0 else order[::-1]:  # who goes first alternates
                 start = time.perf_counter()
-                for call, inp in calls:
-                    call(xs[inp])
+                for op, tensors, inp in calls:
+                    op(xs[inp], *tensors, None)
                 times[name].append(time.perf_counter() - start)
         for name, t in times.items():
             ratio = statistics.median(v / d for d, v in zip(times["default"], t, strict=True))

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -161,6 +162,26 @@ def step_weight_bytes(llm: LLM) -> int:
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total
+
+
+def step_macs(llm: LLM) -> int:
+    """Multiply-adds one token costs in the linear layers and the LM head (this rank's share)."""
+    total = 0
+    for module in llm.llm_engine.runner.model.modules():
+        if isinstance(module, LinearBase):
+            total += module.input_size * module.output_size
+        elif isinstance(module, LMHead):
+            total += module.num_embeddings * module.embedding_dim
+    return total
+
+
+@functools.cache
+def matmul_flops() -> float:
+    """The machine's fp32 compute peak as benchmarks/throughput.py's roofline takes it: the best
+    2048^3 GEMM (FLOP/s), measured once a process."""
+    from throughput import matmul_peak
+
+    return matmul_peak()
 
 
 def kv_bytes_per_token(llm: LLM) -> int:
@@ -299,7 +320,7 @@ def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, str], dict]]
     return [("", {}, head)]
 
 
-def report(label: str, r: dict, roofline: float, batches: list[int]) -> str:
+def report(label: str, r: dict, roofline: float, batches: list[int], floor8_ms: float) -> str:
     if not r["decode_tok_s"]:  # --overhead-only
         parts = {k: med([p[k] for p in r["parts_big"]]) * 1e3 for k in r["parts_big"][0]}
         return (f"{label:10} overhead at the big batch {100 * med(r['overhead_big']):4.1f}% of a "
@@ -310,7 +331,8 @@ def report(label: str, r: dict, roofline: float, batches: list[int]) -> str:
     parts = [
         f"{label:10} decode {decode:7.1f} tok/s ({100 * decode / roofline:4.0f}% of roofline)",
         "tpot ms " + " ".join(f"b{b}={tpot[b]:.2f}" for b in batches),
-        (f"b8/b1 {tpot[8] / tpot[1]:.2f} (paired {med([e / o for o, e in zip(r['tpot'][1], r['tpot'][8], strict=True)]):.2f})"
+        (f"b8/b1 {tpot[8] / tpot[1]:.2f} (paired {med([e / o for o, e in zip(r['tpot'][1], r['tpot'][8], strict=True)]):.2f};"
+         f" floor {floor8_ms / tpot[1]:.2f} at this b1, {floor8_ms * roofline / 1e3:.2f} at the roofline)"
          if 8 in tpot and 1 in tpot else ""),
         f"prefill {med(r['prefill']):7.0f} tok/s",
         f"overhead b1 {100 * med(r['overhead_b1']):4.1f}%",
@@ -344,9 +366,15 @@ def run_config(model: str, precision: str, args: argparse.Namespace, print_fn: C
     roofline = bandwidth / step_bytes
     print_fn(f"\n{model} {precision}: read bandwidth {bandwidth / 1e9:.1f} GB/s, a decode step reads "
              f"{weights / 2**20:.1f} MiB of weights -> roofline {roofline:.1f} tok/s")
+    # An 8-sequence step does 8 rows of every linear's multiply-adds; at the machine's GEMM peak
+    # (float32 FMAs: what every precision here computes in) that alone takes floor8_ms.
+    floor8_ms = 8 * 2 * step_macs(llms[0]) / matmul_flops() * 1e3
+    if 8 in args.batches:
+        print_fn(f"  b8 floor: 8 rows x {step_macs(llms[0]) / 1e6:.1f} M multiply-adds at the 2048^3 GEMM's "
+                 f"{matmul_flops() / 1e9:.0f} GFLOP/s = {floor8_ms:.2f} ms (nothing else counted)")
     results = measure(llms, args, vocab)
     for (label, _, _), r in zip(engines, results, strict=True):
-        print_fn("  " + report(label or precision, r, roofline, args.batches))
+        print_fn("  " + report(label or precision, r, roofline, args.batches, floor8_ms))
     if len(results) == 2 and not args.overhead_only:
         off, on = results
         ratios = [b / a for a, b in zip(off["decode_tok_s"], on["decode_tok_s"], strict=True)]

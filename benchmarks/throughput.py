@@ -98,8 +98,8 @@ def run_hf(model: str, workload: list[dict], batch_size: int) -> dict:
     }
 
 
-def measure_machine() -> dict:
-    """fp32 matmul peak (GFLOP/s) and memory read bandwidth (GB/s), best of a few tries."""
+def matmul_peak() -> float:
+    """FLOP/s of the best 2048^3 fp32 GEMM this torch has (best of 5 per GEMM)."""
     import torch
 
     n = 2048
@@ -119,7 +119,14 @@ def measure_machine() -> dict:
             t = time.perf_counter()
             gemm()
             best = min(best, time.perf_counter() - t)
-    flops = 2 * n**3 / best
+    return 2 * n**3 / best
+
+
+def measure_machine() -> dict:
+    """fp32 matmul peak (GFLOP/s) and memory read bandwidth (GB/s), best of a few tries."""
+    import torch
+
+    flops = matmul_peak()
     # Read bandwidth: the best of several streaming reductions over 1 GiB (this VM's
     # bandwidth varies run to run, 30-56 GB/s; the roofline takes the best seen).
     big = torch.ones(1 << 28)  # 1 GiB of fp32

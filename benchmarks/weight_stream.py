@@ -51,23 +51,31 @@ def in_pages(t: torch.Tensor, huge: bool) -> torch.Tensor:
     return out.copy_(t)
 
 
-def layer_call(kind: str, ops: object, w: torch.Tensor, huge: bool) -> tuple[Callable[[torch.Tensor], object], int]:
-    """(x -> y through `ops`, the weight bytes it reads) for one (out, in) weight."""
+def pack_layer(kind: str, w: torch.Tensor, huge: bool) -> tuple[str, tuple[torch.Tensor, ...], int]:
+    """One (out, in) weight in `kind`'s kernel layout: (the GEMV op's name, its tensors after x and
+    before the bias, the bytes they hold)."""
     if kind in ("float32", "bfloat16"):
         tiles = in_pages(gemv.pack_tiles(w.to(getattr(torch, kind))), huge)
-        return (lambda x: ops.gemv_dense(x, tiles, None)), tiles.nbytes
+        return "gemv_dense", (tiles,), tiles.nbytes
     if kind == "int4":
         q4, sz = gemv.pack_int4_grouped(*quantize_int4(w, 32))
         q4, sz = in_pages(q4, huge), in_pages(sz, huge)
-        return (lambda x: ops.gemv_int4_grouped(x, q4, sz, None)), q4.nbytes + sz.nbytes
+        return "gemv_int4_grouped", (q4, sz), q4.nbytes + sz.nbytes
     q, scale = quantize_int8_grouped(w, 32)
     tiles, scales = gemv.pack_int8_grouped(q, scale)
     scales = in_pages(scales, huge)
     if kind == "int8-q8":
         quads = in_pages(gemv.pack_int8_quads(q), huge)
-        return (lambda x: ops.gemv_int8_q8(x, quads, scales, None)), quads.nbytes + scales.nbytes
+        return "gemv_int8_q8", (quads, scales), quads.nbytes + scales.nbytes
     tiles = in_pages(tiles, huge)
-    return (lambda x: ops.gemv_int8_grouped(x, tiles, scales, None)), tiles.nbytes + scales.nbytes
+    return "gemv_int8_grouped", (tiles, scales), tiles.nbytes + scales.nbytes
+
+
+def layer_call(kind: str, ops: object, w: torch.Tensor, huge: bool) -> tuple[Callable[[torch.Tensor], object], int]:
+    """(x -> y through `ops`, the weight bytes it reads) for one (out, in) weight."""
+    name, tensors, nbytes = pack_layer(kind, w, huge)
+    op = getattr(ops, name)
+    return (lambda x: op(x, *tensors, None)), nbytes
 
 
 def model_pass(kind: str, ops: object, huge: bool, gen: torch.Generator) -> tuple[Callable[[int], None], int]:
