@@ -206,6 +206,20 @@ inline void tile_dot(const float* x, int64_t ldx, int64_t pairs, const Load& loa
   }
 }
 
+// The 32 bf16 of pair p of a tile as floats: e0 / o0 the pair's k0 / k1 for channels 0-7,
+// e1 / o1 for channels 8-15 (the shift / mask below).
+struct BF16Pair {
+  __m256 e0, o0, e1, o1;
+  inline BF16Pair(const uint16_t* w, int64_t p, __m256i high) {
+    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
+    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
+    e0 = _mm256_castsi256_ps(_mm256_slli_epi32(b0, 16));
+    o0 = _mm256_castsi256_ps(_mm256_and_si256(b0, high));
+    e1 = _mm256_castsi256_ps(_mm256_slli_epi32(b1, 16));
+    o1 = _mm256_castsi256_ps(_mm256_and_si256(b1, high));
+  }
+};
+
 // bfloat16 tiles: 16 bf16 of a pair (8 channels x 2 k) are 8 32-bit lanes (c k0 | c k1 << 16);
 // a shift left by 16 gives k0's weights as floats and a mask of the low half k1's, so 16
 // weights cost 2 integer ops (the generic loader's zero-extend + shift costs 4) and each
@@ -224,17 +238,14 @@ inline void tile_dot_bf16(const float* x, int64_t ldx, int64_t pairs, const uint
   auto step = [&](int u, int64_t p) {
     if constexpr (Prefetch) prefetch_ahead(w + p * 32, 64);
     next.at(p);
-    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
-    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
-    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(b0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(b0, high));
-    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(b1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(b1, high));
+    const BF16Pair pw(w, p, high);
     PAGEDSERVE_UNROLL
     for (int i = 0; i < MT; ++i) {
       const __m256 xe = _mm256_broadcast_ss(x + i * ldx + 2 * p), xo = _mm256_broadcast_ss(x + i * ldx + 2 * p + 1);
-      acc[u][i][0] = _mm256_fmadd_ps(e0, xe, acc[u][i][0]);
-      acc[u][i][1] = _mm256_fmadd_ps(o0, xo, acc[u][i][1]);
-      acc[u][i][2] = _mm256_fmadd_ps(e1, xe, acc[u][i][2]);
-      acc[u][i][3] = _mm256_fmadd_ps(o1, xo, acc[u][i][3]);
+      acc[u][i][0] = _mm256_fmadd_ps(pw.e0, xe, acc[u][i][0]);
+      acc[u][i][1] = _mm256_fmadd_ps(pw.o0, xo, acc[u][i][1]);
+      acc[u][i][2] = _mm256_fmadd_ps(pw.e1, xe, acc[u][i][2]);
+      acc[u][i][3] = _mm256_fmadd_ps(pw.o1, xo, acc[u][i][3]);
     }
   };
   int64_t p = 0;
@@ -275,21 +286,18 @@ inline void tile_dot_bf16_rows(const float* x, int64_t ldx, int64_t pairs, const
   for (int64_t p = 0; p < pairs; ++p) {
     if constexpr (Prefetch) prefetch_ahead(w + p * 32, 64);
     next.at(p);
-    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
-    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
-    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(b0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(b0, high));
-    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(b1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(b1, high));
+    const BF16Pair pw(w, p, high);
     PAGEDSERVE_UNROLL
     for (int i = 0; i < MT; ++i) {
       const __m256 xe = _mm256_broadcast_ss(x + i * ldx + 2 * p);
-      acc[i][0] = _mm256_fmadd_ps(e0, xe, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(e1, xe, acc[i][1]);
+      acc[i][0] = _mm256_fmadd_ps(pw.e0, xe, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(pw.e1, xe, acc[i][1]);
     }
     PAGEDSERVE_UNROLL
     for (int i = 0; i < MT; ++i) {
       const __m256 xo = _mm256_broadcast_ss(x + i * ldx + 2 * p + 1);
-      acc[i][0] = _mm256_fmadd_ps(o0, xo, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(o1, xo, acc[i][1]);
+      acc[i][0] = _mm256_fmadd_ps(pw.o0, xo, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(pw.o1, xo, acc[i][1]);
     }
   }
   PAGEDSERVE_UNROLL
