@@ -178,36 +178,32 @@ def build_llm(path: str, kwargs: dict, env: dict[str, str]):
         return LLM(path, max_model_len=512, kv_cache_memory_bytes=128 << 20, enable_prefix_caching=False, **kwargs)
 
 
-def pagedserve_decode(llm, tokens: int) -> float:
-    """Decode tok/s of one request: steps after its first token, timed by the engine loop."""
-    from pagedserve import SamplingParams
-
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    engine.add_request("chat", {"prompt_token_ids": [1]}, params)
-    engine.step()  # the prefill: the first token
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-    return (tokens - 1) / (time.perf_counter() - start)
-
-
-def pagedserve_tpot(llm, batch: int, tokens: int) -> float:
-    """Median ms of a decode step (wall time of `engine.step()`) while `batch` requests with
-    1-token prompts 1 .. B decode `tokens` tokens together (greedy, EOS ignored)."""
+def decode_steps(llm, batch: int, tokens: int) -> list[float]:
+    """Wall seconds of each decode step (`engine.step()`) after the first token, while `batch`
+    requests with 1-token prompts 1 .. B decode `tokens` tokens together (greedy, EOS ignored)."""
     from pagedserve import SamplingParams
 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"tpot-{i}", {"prompt_token_ids": [1 + i]}, params)
+        engine.add_request(f"chat-{i}", {"prompt_token_ids": [1 + i]}, params)
     engine.step()  # the prefills: every request's first token
     times = []
     while engine.has_unfinished_requests():
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return times
+
+
+def pagedserve_decode(llm, tokens: int) -> float:
+    """Decode tok/s of one request: the steps after its first token."""
+    return (tokens - 1) / sum(decode_steps(llm, 1, tokens))
+
+
+def pagedserve_tpot(llm, batch: int, tokens: int) -> float:
+    """Median ms of a decode step while `batch` requests decode together."""
+    return statistics.median(decode_steps(llm, batch, tokens)) * 1e3
 
 
 def batch_table(name: str, llm, llama: LlamaCpp | None, gguf: str, args: argparse.Namespace) -> None:
@@ -246,6 +242,8 @@ def main() -> None:
                         help="instead of batch-1 tok/s: time per output token at these batch sizes on both "
                              "engines (llama.cpp through its batch API), and each one's ratio to the first")
     args = parser.parse_args()
+    if args.batches and args.loop_off:
+        parser.error("--loop-off compares batch-1 decode only; leave it out with --batches")
     if args.worker:
         worker(args.threads)
         return

@@ -16,7 +16,7 @@ float32 GEMM on the widened weight (what the packed method runs there); where on
 its bf16 GEMM. For the group-wise int8 / int4 methods (float32 activations) the other path
 is theirs above `gemv.CHUNKED_MAX_ROWS`: the weight dequantized block by block to float32 and
 the GEMM on each block. A third path, "32-row chunks", runs the default build on the rows 32 at a time
-(what `gemv.dense_chunked` does for bfloat16 where oneDNN has no bf16 GEMM); above 64 rows the
+(what `gemv.in_chunks` does for bfloat16 where oneDNN has no bf16 GEMM, and for int8 / int4); above 64 rows the
 64-row build is not timed. Each round times every path once, in turn (a pass over all 48
 layers, after one untimed pass); the table gives each path's median over the rounds in ms and
 the ratio of the other path to the kernel (chunked beyond 64 rows).

@@ -368,9 +368,11 @@ def run_config(model: str, precision: str, args: argparse.Namespace, print_fn: C
              f"{weights / 2**20:.1f} MiB of weights -> roofline {roofline:.1f} tok/s")
     # An 8-sequence step does 8 rows of every linear's multiply-adds; at the machine's GEMM peak
     # (float32 FMAs: what every precision here computes in) that alone takes floor8_ms.
-    floor8_ms = 8 * 2 * step_macs(llms[0]) / matmul_flops() * 1e3
-    if 8 in args.batches:
-        print_fn(f"  b8 floor: 8 rows x {step_macs(llms[0]) / 1e6:.1f} M multiply-adds at the 2048^3 GEMM's "
+    floor8_ms = float("nan")
+    if 8 in args.batches and 1 in args.batches:
+        macs = step_macs(llms[0])
+        floor8_ms = 8 * 2 * macs / matmul_flops() * 1e3
+        print_fn(f"  b8 floor: 8 rows x {macs / 1e6:.1f} M multiply-adds at the 2048^3 GEMM's "
                  f"{matmul_flops() / 1e9:.0f} GFLOP/s = {floor8_ms:.2f} ms (nothing else counted)")
     results = measure(llms, args, vocab)
     for (label, _, _), r in zip(engines, results, strict=True):

@@ -257,9 +257,6 @@ class Int4LinearMethod(LinearMethod):
         return linear_call(
             "gemv_int4_grouped", tiles, layer.scales_zeros_tiles, bias=getattr(layer, "bias", None))
 
-    def decode_max_rows(self, layer: nn.Module) -> int:
-        return gemv.CHUNKED_MAX_ROWS if self.decode_op(layer) is not None else gemv.MAX_ROWS
-
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         tiles = getattr(layer, "qweight_tiles", None)
         if tiles is not None:
