@@ -40,12 +40,12 @@ def serving_dtype(name: str, device: torch.device, checkpoint: torch.dtype | Non
 
 def auto_dtype(device: torch.device, checkpoint: torch.dtype | None, dequantized: bool) -> torch.dtype:
     """vLLM's dtype="auto": the checkpoint's dtype, but float16 -> bfloat16 on CPU (no fast
-    fp16 GEMM there); a quantized checkpoint dequantized at load -> bfloat16 where the CPU has
-    native bf16 instructions, else float32; float32 when the checkpoint says nothing."""
+    fp16 GEMM there); float32 when the checkpoint says nothing. A quantized checkpoint (a GGUF
+    file) computes its activations in float32 on CPU, as llama.cpp does, and bfloat16 on a
+    GPU. Never the CPU's instruction set: the same file gives the same tokens on every CPU
+    (bf16 activations flipped SmolLM2's near-tie first token on AVX512-BF16 machines)."""
     if dequantized:
-        if device.type != "cpu" or cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
     if checkpoint is None or checkpoint not in (torch.float32, torch.bfloat16, torch.float16):
         return torch.float32
     if checkpoint == torch.float16 and device.type == "cpu":

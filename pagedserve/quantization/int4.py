@@ -21,9 +21,9 @@ uint8, `scales_zeros_tiles` (out/16, in/g, 2, 16) bfloat16, the same numbers), a
     products of x and the exact (q - 8) * scale + zero, float32 sums, one rounding to x's dtype;
   * 33 to gemv.CHUNKED_MAX_ROWS (128) rows: the same kernel, 32 rows a call (1.8-3.6x faster
     than dequantizing for the GEMM below on SmolLM2's layers, 2 AVX2 cores; 1.35x at 256);
-  * more rows: the weight dequantized block by block into bfloat16 where the CPU multiplies
-    bf16 natively (AVX512-BF16 / AMX), else into float32 (a bf16 GEMM without native support
-    runs ~6x slower than fp32's), and the GEMM in that dtype.
+  * more rows: the weight dequantized block by block, and the GEMM: in float32 for a float32
+    model; for a bfloat16 model in bfloat16 where the CPU multiplies bf16 natively (AVX512-BF16
+    / AMX), else in float32 (a bf16 GEMM without native support runs ~6x slower than fp32's).
 Otherwise (PAGEDSERVE_GEMV=off, no AVX2), with x cast to bfloat16 like the int8 method (the
 kernels' dtype):
   * rows <= kernel_max_rows (64): the kernel (reads 4-bit weights: decode is memory-bound);
@@ -281,7 +281,10 @@ class Int4LinearMethod(LinearMethod):
             return gemv.int4_grouped(x, tiles, sz, bias)
         if kernel and rows <= self.decode_max_rows(layer):
             return gemv.in_chunks(gemv.int4_grouped, x, tiles, sz, bias)
-        dtype = COMPUTE_DTYPE if cpu_has_native_bf16() else torch.float32
+        # bf16 products only for a bf16 model (and only where the CPU multiplies bf16 natively):
+        # the CPU never lowers a float32 model's precision.
+        native = x.dtype == torch.bfloat16 and cpu_has_native_bf16()
+        dtype = COMPUTE_DTYPE if native else torch.float32
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
         parts = [F.linear(x2, w) for w in _tile_blocks(tiles, sz, dtype)]
         y = add_bias((parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x.dtype), layer)

@@ -71,6 +71,9 @@ def test_gguf_quantization_serves_the_files_q4_1_blocks_and_answers():
     model = served.llm_engine.runner.model
     methods = {m.quant_method.name for m in model.modules() if isinstance(m, LinearBase)}
     assert methods == {"gguf-q4"}
+    # No dtype given: float32 activations on every CPU (issue 32: an AVX512-BF16 CPU chose
+    # bf16, and SmolLM2's near-tie first token flipped to "L'Étoile, la Marseillaise ...").
+    assert served.llm_engine.runner.dtype == torch.float32
     out = served.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text and out.finish_reason == "stop"
 
