@@ -10,16 +10,22 @@ runs, so our weights are the ones transformers' reference model gets.
     tensors   blk.N.attn_q.weight (Q4_1 blocks) -> model.layers.N.self_attn.q_proj.weight
 
 Weights are yielded one at a time as `(hf_name, tensor)` for the loader's `load_weights`,
-dequantized to the serving dtype. With `keep_quantized=True`, Q8_0/Q4_0/Q4_1 weights come
-as `GGUFQuantizedTensor` (the raw llama.cpp blocks, rows already in HF order) instead: the
-seam for linear methods that take those blocks as they are.
+dequantized to the serving dtype. Every tensor type the installed `gguf` package can
+dequantize loads (K-quants, I-quants, Q5_*, ...: `dequantizable_types()`); one log line per
+load names the quantized types dequantized and what that cost (seconds, bytes in and out).
+With `keep_quantized=True`, Q8_0/Q4_0/Q4_1 weights come as `GGUFQuantizedTensor` (the raw
+llama.cpp blocks, rows already in HF order) instead: the seam for linear methods that take
+those blocks as they are (quantization/gguf_blocks.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
+import time
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +33,20 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+logger = logging.getLogger(__name__)
+
 # GGUF `general.architecture` -> the HF class our registry serves.
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
+# The types `keep_quantized` hands over as raw blocks (a native kernel serves them); every
+# other quantized type is dequantized at load.
 QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1")
-SUPPORTED_TENSOR_TYPES = FLOAT_TYPES + QUANTIZED_TYPES
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class GGUFQuantizedTensor:
     """One weight in llama.cpp's block layout, as stored in the file.
 
@@ -56,6 +65,23 @@ class GGUFQuantizedTensor:
 
         data = dequantize(self.blocks.numpy(), GGMLQuantizationType[self.qtype])
         return torch.from_numpy(np.require(data, requirements=["C", "W"])).reshape(self.shape)
+
+
+@functools.cache
+def dequantizable_types() -> tuple[str, ...]:
+    """Every GGUF tensor type the installed `gguf` package can dequantize, e.g. ("F32", ...,
+    "Q4_K", "IQ4_XS"). Asked of the package (one zero block each) rather than copied, so a
+    newer `gguf` brings its new types with it; integer tensors (I8..I64) are not among them."""
+    from gguf import GGML_QUANT_SIZES, dequantize
+
+    types = []
+    for qtype, (_, type_size) in GGML_QUANT_SIZES.items():
+        try:
+            dequantize(np.zeros(type_size, dtype=np.uint8), qtype)
+        except NotImplementedError:
+            continue
+        types.append(qtype.name)
+    return tuple(types)
 
 
 def _reader(path: Path) -> Any:
@@ -146,10 +172,12 @@ def iter_gguf_tensors(
     """(HF name, tensor) for every weight of the file, dequantized into `dtype`.
 
     With `keep_quantized`, Q8_0/Q4_0/Q4_1 matrices come as `GGUFQuantizedTensor` instead.
+    Once the last tensor is out, one INFO line says which quantized types were dequantized
+    here and what it cost.
 
     Raises:
-        ValueError: a tensor type outside SUPPORTED_TENSOR_TYPES (named with the tensor), or
-            an architecture we do not serve.
+        ValueError: a tensor type the `gguf` package cannot dequantize (named with the
+            tensor), or an architecture we do not serve.
     """
     from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
@@ -161,9 +189,11 @@ def iter_gguf_tensors(
     metadata = _metadata(path)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=metadata["config"])
     names = _gguf_to_hf_names(arch, config)
+    cost = _DequantCost()
     for tensor in reader.tensors:
         qtype = tensor.tensor_type.name
         raw = qtype in QUANTIZED_TYPES and keep_quantized
+        start = time.perf_counter()
         data = tensor.data if raw else dequantize(tensor.data, tensor.tensor_type)
         # Llama's q/k rows were permuted by llama.cpp's converter; the processor undoes it.
         # Rows are whole blocks, so the same row permutation applies to raw blocks.
@@ -176,16 +206,48 @@ def iter_gguf_tensors(
         if raw:
             shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists dims innermost first
             yield hf_name, GGUFQuantizedTensor(qtype, shape, weights)
-        else:
-            yield hf_name, weights.to(dtype)
+            continue
+        weights = weights.to(dtype)
+        if qtype not in FLOAT_TYPES:
+            cost.add(qtype, int(tensor.n_bytes), weights.numel() * weights.element_size(),
+                     time.perf_counter() - start)
+        yield hf_name, weights
+    cost.log(path, dtype)
+
+
+@dataclasses.dataclass
+class _DequantCost:
+    """What dequantizing at load cost, summed over one file's quantized tensors."""
+
+    counts: Counter[str] = dataclasses.field(default_factory=Counter)
+    file_bytes: int = 0
+    out_bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, qtype: str, file_bytes: int, out_bytes: int, seconds: float) -> None:
+        self.counts[qtype] += 1
+        self.file_bytes += file_bytes
+        self.out_bytes += out_bytes
+        self.seconds += seconds
+
+    def log(self, path: Path, dtype: torch.dtype) -> None:
+        if not self.counts:
+            return
+        types = ", ".join(f"{qtype} x{n}" for qtype, n in sorted(self.counts.items()))
+        logger.info(
+            "%s: dequantized at load to %s (no native kernel serves them): %s; %.1f MiB of blocks "
+            "-> %.1f MiB in %.2f s", path.name, str(dtype).removeprefix("torch."), types,
+            self.file_bytes / 2**20, self.out_bytes / 2**20, self.seconds,
+        )
 
 
 def _check_tensor_types(reader: Any, path: Path) -> None:
+    known = dequantizable_types()
     for tensor in reader.tensors:
-        if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+        if tensor.tensor_type.name not in known:
             raise ValueError(
                 f"{path}: tensor {tensor.name!r} has GGUF type {tensor.tensor_type.name}, which "
-                f"is not supported; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+                f"the installed gguf package cannot dequantize; supported: {', '.join(known)}"
             )
 
 

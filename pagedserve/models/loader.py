@@ -17,8 +17,9 @@ weights of all layers never coexist: peak memory ~ the quantized model plus one 
 Without one, CPU float32/bfloat16 layers are repacked the same way for oneDNN's GEMM
 (quantization/packed.py).
 
-A GGUF file's Q8_0/Q4_0/Q4_1 weights are dequantized into the serving dtype here (and
-requantized by an int8 / int4 QuantizationConfig if one is given). With
+A GGUF file's quantized weights (every type the `gguf` package dequantizes: Q8_0, Q4_K,
+IQ4_XS, ...) are dequantized into the serving dtype here (and requantized by an int8 / int4
+QuantizationConfig if one is given); models/gguf.py logs which types and what it cost. With
 `QuantizationConfig("gguf")` a linear layer whose tensors are all Q8_0 (all Q4_0 / Q4_1) gets a
 method that takes the raw `GGUFQuantizedTensor` blocks (`iter_gguf_tensors(...,
 keep_quantized=True)`, rows already in HF order) and installs them as group-wise int8 (int4)

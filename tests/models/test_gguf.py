@@ -1,5 +1,5 @@
 """GGUF loading on a small file the test writes with the `gguf` package: greedy token for
-token equal to transformers loading the same file (fp32), every supported tensor type,
+token equal to transformers loading the same file (fp32), the natively served tensor types,
 the raw-block seam, and clear errors for what we do not serve."""
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ def _add(writer, name: str, weights: np.ndarray, qtype: str) -> None:
         writer.add_tensor(name, weights.astype(np.float32))
     elif qtype == "F16":
         writer.add_tensor(name, weights.astype(np.float16))
+    elif qtype == "I8":  # an integer tensor: no weight type, gguf cannot dequantize it
+        writer.add_tensor(name, (weights * 100).astype(np.int8))
     else:
         data = gguf.quants.quantize(weights.astype(np.float32), kind)
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
@@ -128,9 +130,10 @@ def test_raw_blocks_dequantize_to_the_loaded_weights(gguf_file):
 
 
 def test_unsupported_tensor_type_is_named(tmp_path):
-    path = tmp_path / "q5.gguf"
-    write_gguf(path, extra_type="Q5_0")
-    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight.*Q5_0"):
+    """Every type gguf dequantizes loads (test_gguf_types.py); one it cannot is named."""
+    path = tmp_path / "i8.gguf"
+    write_gguf(path, extra_type="I8")
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight.*I8.*cannot dequantize"):
         LLM(str(path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20)
 
 

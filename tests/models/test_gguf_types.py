@@ -1,0 +1,155 @@
+"""Every GGUF tensor type the `gguf` package dequantizes loads: one small random file per type
+(every matrix, embedding and head included, in that type), greedy token for token equal to
+transformers loading the same file in float32 (its GGUF loader dequantizes with gguf, as we
+do for a type no kernel serves); one log line per load says what dequantizing cost.
+
+Types `gguf.quants.quantize` cannot produce (K-quants, I-quants, NVFP4) are written as random
+blocks (tests/gguf_utils.py: `random_blocks`): any bytes are a valid block once its scales are
+finite, and both sides read the same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf_utils import llama_gguf_writer, quantizable_types, quantized
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.models.gguf import (
+    GGUFQuantizedTensor,
+    dequantizable_types,
+    iter_gguf_tensors,
+    load_gguf_config,
+)
+from pagedserve.models.layers.linear import LinearBase
+from pagedserve.models.loader import load_model
+from pagedserve.quantization import QuantizationConfig
+
+gguf = pytest.importorskip("gguf")
+
+# 256 columns: the super-block of the K- and I-quants.
+LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 2, 256, 512, 4, 2, 256
+ENGINE = {"dtype": "float32", "skip_tokenizer_init": True, "kv_cache_memory_bytes": 4 << 20}
+NATIVE = ("Q8_0", "Q4_0", "Q4_1")  # covered by test_gguf.py / test_gguf_quantized.py
+TYPES = [t for t in quantizable_types() if t not in NATIVE and t != "BF16"]
+PROMPTS = [[5, 9, 33, 120], list(range(3, 40)), [7]]
+
+
+def write_gguf(path, qtype: str, arch: str = "llama", types: dict[str, str] | None = None) -> None:
+    """A random 2-layer model whose matrices are all `qtype` (or `types[part]`), F32 norms;
+    qwen2 gets F32 q/k/v biases and an untied head."""
+    rng = np.random.default_rng(sum(map(ord, qtype)))
+    writer = llama_gguf_writer(path, arch, LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB)
+
+    def add(name: str, shape: tuple[int, ...], kind: str, scale: float = 0.06, offset: float = 0.0) -> None:
+        w = (rng.standard_normal(shape) * scale + offset).astype(np.float32)
+        if kind == "F32":
+            writer.add_tensor(name, w)
+        else:
+            data = quantized(w, kind, rng)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    kv = HIDDEN // HEADS * KV_HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
+              "ffn_down": (HIDDEN, FFN)}
+    add("token_embd.weight", (VOCAB, HIDDEN), qtype, scale=0.5)
+    for i in range(LAYERS):
+        add(f"blk.{i}.attn_norm.weight", (HIDDEN,), "F32", offset=1.0)
+        add(f"blk.{i}.ffn_norm.weight", (HIDDEN,), "F32", offset=1.0)
+        for part, shape in shapes.items():
+            add(f"blk.{i}.{part}.weight", shape, (types or {}).get(part, qtype))
+            if arch == "qwen2" and part in ("attn_q", "attn_k", "attn_v"):
+                add(f"blk.{i}.{part}.bias", (shape[0],), "F32", scale=0.5)
+    add("output_norm.weight", (HIDDEN,), "F32", offset=1.0)
+    add("output.weight", (VOCAB, HIDDEN), qtype, scale=0.5)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _file(tmp_path, qtype: str, **kwargs):
+    path = tmp_path / qtype / "tiny.gguf"  # one file per folder (transformers' loader)
+    path.parent.mkdir()
+    write_gguf(path, qtype, **kwargs)
+    return path
+
+
+def _reference(path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    # No EOS, as our ignore_eos: `min_new_tokens` would instead mask EOS (id 2) out of the
+    # argmax, and a random model picks it now and then.
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _hf_greedy(path, prompts: list[list[int]], new_tokens: int = 12) -> list[list[int]]:
+    model = _reference(path)
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=0)
+            outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+def _engine_greedy(path, prompts: list[list[int]], **kwargs) -> list[list[int]]:
+    llm = LLM(str(path), **ENGINE, **kwargs)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_every_type_a_test_can_write_is_dequantizable():
+    assert set(TYPES) <= set(dequantizable_types())
+    assert {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"} <= set(TYPES)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_greedy_equals_transformers(tmp_path, qtype: str):
+    path = _file(tmp_path, qtype)
+    assert _engine_greedy(path, PROMPTS) == _hf_greedy(path, PROMPTS)
+
+
+def test_qwen2_with_biases_and_an_untied_head(tmp_path):
+    """The layout of Qwen2.5's Q4_K_M files: Q4_K and Q6_K matrices, Q5_0 / Q8_0 where a
+    row of 896 is not whole super-blocks (here: v and down), F32 biases."""
+    path = _file(tmp_path, "Q4_K", arch="qwen2", types={"attn_v": "Q6_K", "ffn_down": "Q5_0", "attn_k": "Q8_0"})
+    assert _engine_greedy(path, PROMPTS) == _hf_greedy(path, PROMPTS)
+
+
+def test_one_log_line_names_the_dequantized_types_and_their_cost(tmp_path, caplog):
+    path = _file(tmp_path, "Q4_K", types={"ffn_down": "Q6_K", "attn_q": "Q8_0"})
+    with caplog.at_level(logging.INFO, logger="pagedserve.models.gguf"):
+        load_model(path, torch.float32, torch.device("cpu"))
+    lines = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
+    assert len(lines) == 1
+    # Without quantization='gguf' every quantized tensor is dequantized (Q8_0 too).
+    assert "Q4_K x12" in lines[0] and "Q6_K x2" in lines[0] and "Q8_0 x2" in lines[0]
+    assert "float32" in lines[0] and "MiB" in lines[0] and " s" in lines[0]
+
+
+def test_native_types_keep_their_blocks_beside_dequantized_ones(tmp_path, caplog):
+    """quantization='gguf': Q8_0 layers keep the int8-block kernel, Q4_K layers load dense,
+    and only the dequantized types are named in the log line."""
+    path = _file(tmp_path, "Q4_K", types={"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0"})
+    config = load_gguf_config(path)
+    raw = dict(iter_gguf_tensors(path, config, torch.float32, keep_quantized=True))
+    assert isinstance(raw["model.layers.0.self_attn.q_proj.weight"], GGUFQuantizedTensor)
+    assert isinstance(raw["model.layers.0.mlp.up_proj.weight"], torch.Tensor)
+    with caplog.at_level(logging.INFO, logger="pagedserve.models.gguf"):
+        model, _ = load_model(path, torch.float32, torch.device("cpu"), QuantizationConfig("gguf"))
+    methods = {p: m.quant_method.name for p, m in model.named_modules() if isinstance(m, LinearBase)}
+    assert methods["model.layers.0.self_attn.qkv_proj"] == "gguf-q8_0"
+    assert methods["model.layers.0.mlp.gate_up_proj"] in {"onednn-packed", "unquantized"}
+    lines = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
+    assert len(lines) == 1 and "Q4_K" in lines[0] and "Q8_0" not in lines[0]
+    assert _engine_greedy(path, PROMPTS[:1], quantization="gguf") == _hf_greedy(path, PROMPTS[:1])
