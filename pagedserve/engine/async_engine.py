@@ -5,6 +5,7 @@
     add_requests() ----_Add(reqs, future)--->  commands: drained between steps
     RequestGroup.abort() --_Abort(ids)----->     add_request / abort_request
     call_in_engine_thread() --_Call(fn)---->     fn(engine), between steps
+    unload_lora() --_Unload(lora)---------->     fail the adapter's requests, unregister it
     shutdown() --_Stop()------------------->     ends the loop
                                               step() -> [RequestOutput]
     RequestGroup queue <--call_soon_threadsafe--  one batch of (group, index, output) per step
@@ -30,6 +31,7 @@ from typing import Any
 from pagedserve.engine import registry
 from pagedserve.engine.input_processor import EngineInput
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine, PromptInput
+from pagedserve.lora.request import AdapterNotRegisteredError, LoRARequest
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -101,6 +103,7 @@ class _Tracked:
     group: RequestGroup
     index: int
     arrival_time: float
+    lora_id: int = 0  # 0: the base model
     # Per sample (CompletionOutput.index) of an n > 1 request: each has its own token times.
     last_token_time: dict[int, float] = field(default_factory=dict)
 
@@ -136,11 +139,19 @@ class _Call:
 
 
 @dataclass(slots=True)
+class _Unload:
+    """Fail the adapter's in-flight requests (AdapterNotRegisteredError), then unregister it."""
+
+    lora: LoRARequest
+    done: concurrent.futures.Future[int]
+
+
+@dataclass(slots=True)
 class _Stop:
     """Leave the loop: in-flight requests are aborted and their callers told."""
 
 
-_Command = _Add | _Abort | _Call | _Stop
+_Command = _Add | _Abort | _Call | _Unload | _Stop
 
 
 class AsyncLLMEngine:
@@ -277,6 +288,19 @@ class AsyncLLMEngine:
         self._commands.put(_Call(fn, done))
         return done.result(timeout_s)
 
+    async def unload_lora(self, lora: LoRARequest) -> int:
+        """Unregisters the adapter between steps; its in-flight requests end first, each
+        caller seeing AdapterNotRegisteredError. Adds queued after this never run with it
+        (the engine thread refuses an unregistered adapter). Returns how many requests ended.
+
+        Raises:
+            EngineDeadError: the engine loop is not running.
+        """
+        self._check_alive()
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._commands.put(_Unload(lora, done))
+        return await self._wait_for_thread(asyncio.wrap_future(done))
+
     def _check_alive(self) -> None:
         if self._stopping or self._error is not None or self._thread is None:
             raise EngineDeadError("the engine is not running" + (f": {self._error!r}" if self._error else ""))
@@ -320,6 +344,8 @@ class AsyncLLMEngine:
                     self._abort(request_ids)
                 case _Call(fn, done):
                     _call(fn, self.engine, done)
+                case _Unload(lora, done):
+                    _call(lambda _: self._unload(lora), self.engine, done)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -327,6 +353,13 @@ class AsyncLLMEngine:
 
     def _add(self, add: _Add) -> None:
         added: list[str] = []
+        lora = add.lora_request
+        manager = self.engine.lora_manager
+        # The serving path never registers implicitly: an adapter unloaded since the caller
+        # resolved its name would otherwise come back (a phantom) or fail later as a 500.
+        if lora is not None and (manager is None or manager.registered.get(lora.lora_int_id) != lora):
+            add.done.set_exception(AdapterNotRegisteredError(lora.lora_name))
+            return
         try:
             for request_id, prompt, params in add.requests:
                 self.engine.add_request(
@@ -339,7 +372,8 @@ class AsyncLLMEngine:
             add.done.set_exception(exc)
             return
         for index, (request_id, _, _) in enumerate(add.requests):
-            self._tracked[request_id] = _Tracked(add.group, index, add.arrival_time)
+            self._tracked[request_id] = _Tracked(add.group, index, add.arrival_time,
+                                                 lora.lora_int_id if lora is not None else 0)
         add.done.set_result(None)
         self.stats = self.engine.get_stats()
 
@@ -350,6 +384,16 @@ class AsyncLLMEngine:
             if tracked is not None:
                 self.observer.on_finished(time.monotonic() - tracked.arrival_time, "abort")
         self.stats = self.engine.get_stats()
+
+    def _unload(self, lora: LoRARequest) -> int:
+        ids = [rid for rid, tracked in self._tracked.items() if tracked.lora_id == lora.lora_int_id]
+        groups = {id(self._tracked[rid].group): self._tracked[rid].group for rid in ids}
+        self._abort(ids)  # frees their blocks and unpins the adapter
+        error = AdapterNotRegisteredError(lora.lora_name)
+        self._deliver([(group, error) for group in groups.values()])
+        if self.engine.lora_manager is not None:
+            self.engine.lora_manager.unregister(lora.lora_int_id)
+        return len(ids)
 
     def _set_busy(self, busy: bool) -> None:
         if busy and not self._busy:
@@ -401,7 +445,7 @@ class AsyncLLMEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Add | _Call):
+            if isinstance(command, _Add | _Call | _Unload):
                 command.done.set_exception(error)
 
 

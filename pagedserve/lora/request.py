@@ -39,3 +39,15 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
         if not self.lora_path:
             raise ValueError(f"lora_path: adapter {self.lora_name!r} needs the folder of its PEFT files")
+
+
+class AdapterNotRegisteredError(LookupError):
+    """A request names an adapter that is not (or no longer) registered: it was unloaded.
+
+    The serving path never registers an adapter implicitly (that would bring an unloaded
+    adapter back as a phantom nothing lists or can unload); the server answers 404 naming it.
+    """
+
+    def __init__(self, lora_name: str) -> None:
+        super().__init__(f"The model `{lora_name}` does not exist (the LoRA adapter was unloaded).")
+        self.lora_name = lora_name

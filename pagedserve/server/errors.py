@@ -17,6 +17,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedserve.engine.async_engine import EngineDeadError
+from pagedserve.lora.request import AdapterNotRegisteredError
+
 logger = logging.getLogger(__name__)
 
 _TYPES = {
@@ -55,6 +58,18 @@ def _printable(text: str) -> str:
     # A message may quote the client's input; a lone surrogate in it must not break the
     # UTF-8 encoding of the answer (which would reset the connection instead).
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def known_failure(exc: BaseException) -> APIError | None:
+    """The client's answer for an engine-side failure that is not a server bug: the engine
+    stopped (shutdown: 503) or the request's adapter was unloaded (404 naming it)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc))
+    if isinstance(exc, AdapterNotRegisteredError):
+        return APIError(404, str(exc), "model", "model_not_found")
+    return None
 
 
 def bad_request(exc: ValueError, fields: set[str]) -> APIError:
@@ -132,6 +147,14 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
                         headers=getattr(exc, "headers", None))
 
 
+async def _known_failure(_: Request, exc: Exception) -> JSONResponse:
+    # Handled here rather than by the catch-all: starlette re-raises what reaches that one,
+    # and the server would log an ASGI traceback for an ordinary shutdown or unload.
+    error = known_failure(exc)
+    assert error is not None
+    return JSONResponse(error.body(), status_code=error.status)
+
+
 async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error", exc_info=exc)
     return JSONResponse(error_body(500, f"internal error: {exc!r}"), status_code=500)
@@ -141,4 +164,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(EngineDeadError, _known_failure)
+    app.add_exception_handler(AdapterNotRegisteredError, _known_failure)
     app.add_exception_handler(Exception, _unhandled)

@@ -137,17 +137,18 @@ async def _load(ctx, request: LoRARequest, root: Path) -> None:
 
 
 async def unload_adapter(ctx, body: UnloadLoRARequest) -> dict:
+    """Unloads an adapter (vLLM's semantics): its name leaves the registry at once, so a new
+    request for it is a 404 and a second concurrent unload of it is a 404 too; its in-flight
+    requests end with a 404 naming it; then the engine unregisters it between two steps."""
     registry: LoRARegistry = ctx.loras
     if not registry.runtime_updates:
         raise APIError(404, "runtime LoRA updates are off (start with --enable-lora-runtime-updates)", None, "not_found")
-    request = registry.adapters.get(body.lora_name)
+    # Claimed before the first await: of two concurrent unloads of one name, one finds it.
+    request = registry.adapters.pop(body.lora_name, None)
     if request is None:
         raise APIError(404, f"no LoRA adapter named {body.lora_name!r}", "lora_name", "not_found")
     try:
-        await asyncio.to_thread(ctx.engine.call_in_engine_thread, lambda e: e.lora_manager.unregister(request.lora_int_id))
-    except ValueError as exc:
-        raise APIError(400, str(exc), "lora_name") from None
+        await ctx.engine.unload_lora(request)
     except EngineDeadError as exc:
         raise APIError(503, str(exc)) from None
-    del registry.adapters[body.lora_name]
     return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "unloaded"}

@@ -78,6 +78,8 @@ async def render_chat(ctx: ServerContext, body: ChatCompletionRequest | Tokenize
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, raw_request: Request) -> Response:
     arrival = time.monotonic()
     model = ctx.resolve_model(body.model)
+    # Resolved once, now: an unload meanwhile makes the submission a 404, never the base model.
+    lora = ctx.lora_for(model)
     _check_fields(body)
     tools = ToolMode.for_request(ctx, body)
     _, prompt_ids = await render_chat(ctx, body)
@@ -95,7 +97,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     await compile_constraint(ctx, params, param)
     prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids}
     inputs = await process(ctx, body, [prompt], params, max_tokens, "messages")
-    group = await submit(ctx, body, inputs, arrival, ctx.lora_for(model))
+    group = await submit(ctx, body, inputs, arrival, lora)
     request_id = random_id("chatcmpl")
     if body.stream:
         return StreamingResponse(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -20,11 +20,11 @@ from pydantic import BaseModel
 
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestGroup
 from pagedserve.engine.input_processor import EngineInput, InputProcessor
-from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.request import AdapterNotRegisteredError, LoRARequest
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.server.errors import APIError, bad_request
+from pagedserve.server.errors import APIError, bad_request, known_failure
 from pagedserve.server.lora_admin import LoRARegistry
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.structured_outputs import GrammarError
@@ -182,8 +182,8 @@ async def submit(
                                          lora_request=lora_request)
     except ValueError as exc:
         raise bad_request(exc, set(type(body).model_fields)) from None
-    except EngineDeadError as exc:
-        raise APIError(503, str(exc)) from None
+    except (EngineDeadError, AdapterNotRegisteredError) as exc:
+        raise known_failure(exc) from None  # type: ignore[misc]
 
 
 @dataclass
@@ -241,22 +241,29 @@ async def collect(group: RequestGroup, raw_request: Request, n: int) -> Collecte
             if output.num_generated_tokens is not None:  # best_of: the samples not returned too
                 generated[0] += output.num_generated_tokens - sum(len(c.token_ids) for c in output.outputs)
 
-    task = asyncio.ensure_future(consume())
     async with group:  # aborts the unfinished requests however we leave
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    task.result()
-                    for state in states:
-                        if state.finish_reason == "error":
-                            raise request_failed(state.stop_reason)
-                    _share_prompt_logprobs(states, n)
-                    return Collected(states, generated[0])
-                if await raw_request.is_disconnected():
-                    raise ClientDisconnected()
-        finally:
-            task.cancel()
+        await watch_client(raw_request, consume())
+    for state in states:
+        if state.finish_reason == "error":
+            raise request_failed(state.stop_reason)
+    _share_prompt_logprobs(states, n)
+    return Collected(states, generated[0])
+
+
+async def watch_client(raw_request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Awaits `work` (consuming a group), checking every DISCONNECT_POLL_S that the client is
+    still there; ClientDisconnected if it left (the caller's `async with group` then aborts).
+    Every non-streamed handler waits through here, so no abandoned call keeps the engine busy."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await raw_request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        task.cancel()
 
 
 def _share_prompt_logprobs(states: list[ChoiceState], n: int) -> None:
@@ -285,10 +292,9 @@ def sse(chunk: BaseModel | dict[str, Any]) -> str:
 
 def sse_error(exc: BaseException) -> str:
     """An error after the stream started: an error chunk (the [DONE] follows)."""
-    if isinstance(exc, APIError):
-        return sse(exc.body())
-    if isinstance(exc, EngineDeadError):
-        return sse(APIError(503, str(exc)).body())
+    known = known_failure(exc)
+    if known is not None:
+        return sse(known.body())
     return sse(APIError(500, f"internal error: {exc!r}").body())
 
 

@@ -52,6 +52,8 @@ Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
 async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_request: Request) -> Response:
     arrival = time.monotonic()
     model = ctx.resolve_model(body.model)
+    # Resolved once, now: an unload meanwhile makes the submission a 404, never the base model.
+    lora = ctx.lora_for(model)
     _check_fields(body)
     prompts = await _prompts(ctx, body, body.prompt)
     num_samples = body.best_of or body.n
@@ -64,7 +66,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_req
     await compile_constraint(ctx, params, constraint[1] if constraint is not None else None)
     engine_prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts]
     inputs = await process(ctx, body, engine_prompts, params, max_tokens, "prompt")
-    group = await submit(ctx, body, inputs, arrival, ctx.lora_for(model))
+    group = await submit(ctx, body, inputs, arrival, lora)
     request_id = random_id("cmpl")
     if body.stream:
         return StreamingResponse(

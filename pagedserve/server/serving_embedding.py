@@ -30,6 +30,7 @@ from pagedserve.server.serving_common import (
     process,
     request_failed,
     submit,
+    watch_client,
 )
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
@@ -38,6 +39,8 @@ MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 async def create_embedding(ctx: ServerContext, body: EmbeddingRequest, raw_request: Request) -> Response:
     arrival = time.monotonic()
     model = ctx.resolve_model(body.model)
+    # Resolved once, now: an unload meanwhile makes the submission a 404, never the base model.
+    lora = ctx.lora_for(model)
     hidden_size = ctx.engine.hidden_size
     if body.dimensions is not None and body.dimensions != hidden_size:
         raise APIError(400, f"dimensions: this model's embeddings have {hidden_size} dimensions and cannot "
@@ -51,12 +54,16 @@ async def create_embedding(ctx: ServerContext, body: EmbeddingRequest, raw_reque
     params = PoolingParams(normalize=body.normalize if body.normalize is not None else True)
     engine_prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts]
     inputs = await process(ctx, body, engine_prompts, params, 1, "input")
-    group = await submit(ctx, body, inputs, arrival, ctx.lora_for(model))
+    group = await submit(ctx, body, inputs, arrival, lora)
     outputs: list[RequestOutput | None] = [None] * len(inputs)
-    async with group:  # aborts the unfinished requests however we leave
+
+    async def consume() -> None:
         async for index, output in group:
             if output.finished:
                 outputs[index] = output
+
+    async with group:  # aborts the unfinished requests however we leave (a client gone too)
+        await watch_client(raw_request, consume())
     data = []
     for index, finished in enumerate(outputs):
         assert finished is not None

@@ -1,0 +1,201 @@
+"""Issue #33 (hardening, second round): each numbered defect has its regression test here
+(the issue's number in the test's docstring), against a live server on 127.0.0.1.
+
+The LoRA churn test is tests/server/test_lora_churn.py; the auth matrix is
+tests/server/test_auth_matrix.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+
+from lora_utils import make_peft_adapter
+from server_fixtures import SERVE_ARGS, TEST_MODEL, LiveServer, running_server
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory):
+    """Runtime LoRA updates confined to a --lora-dir root holding one adapter, `sql`."""
+    root = tmp_path_factory.mktemp("lora_root")
+    adapter = make_peft_adapter(model_path(TEST_MODEL), None, 8, ["q_proj", "v_proj"], seed=1)
+    shutil.copytree(adapter, root / "sql")
+    argv = [TEST_MODEL, *SERVE_ARGS, "--enable-lora", "--enable-lora-runtime-updates",
+            "--lora-dir", str(root), "--max-lora-rank", "16"]
+    with running_server(argv) as live:
+        live.lora_root = root
+        yield live
+
+
+@pytest.fixture(autouse=True)
+def no_leaks_after(request):
+    """After each test: the engine idle, every KV block back in the pool, no phantom adapter."""
+    yield
+    if "server" not in request.fixturenames:
+        return
+    live: LiveServer = request.getfixturevalue("server")
+    live.wait_idle()
+    live.ctx.engine.call_in_engine_thread(lambda e: e.assert_no_leaks())
+    assert_no_phantom(live)
+
+
+def assert_no_phantom(live: LiveServer) -> None:
+    """The engine's registered adapters are exactly the ones /v1/models lists."""
+    registered = live.ctx.engine.call_in_engine_thread(lambda e: {r.lora_name for r in e.lora_manager.registered.values()})
+    resident = live.ctx.engine.call_in_engine_thread(lambda e: set(e.lora_manager.resident_ids()))
+    ids = live.ctx.engine.call_in_engine_thread(lambda e: set(e.lora_manager.registered))
+    listed = {m["id"] for m in httpx.get(live.v1 + "/models").json()["data"]} - {TEST_MODEL}
+    assert registered == listed and resident <= ids, (registered, listed, resident, ids)
+
+
+def _post(live: LiveServer, path: str, body: dict, timeout: float = 60) -> httpx.Response:
+    return httpx.post(live.base_url + path, json=body, timeout=timeout)
+
+
+def _load(live: LiveServer, name: str) -> None:
+    resp = _post(live, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(live.lora_root / "sql")})
+    assert resp.status_code == 200, resp.text
+
+
+def _unload(live: LiveServer, name: str) -> httpx.Response:
+    return _post(live, "/v1/unload_lora_adapter", {"lora_name": name})
+
+
+def _wait_running(live: LiveServer, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not live.ctx.engine.call_in_engine_thread(lambda e: e.get_stats().scheduler.num_running > 0):
+        assert time.monotonic() < deadline, "the request never started running"
+        time.sleep(0.02)
+
+
+# ---- 1. an abandoned call must not keep the engine busy --------------------------------------
+
+# n samples of 2000 tokens: tens of seconds of decoding on two cores.
+LONG = {"max_tokens": 2000, "n": 24, "ignore_eos": True, "temperature": 1.0, "seed": 3}
+
+
+def _abandoned_calls() -> list[tuple[str, dict]]:
+    return [
+        ("/v1/completions", {"model": TEST_MODEL, "prompt": "Once upon a time", **LONG}),
+        ("/v1/completions", {"model": TEST_MODEL, "prompt": "Once upon a time", "stream": True, **LONG}),
+        ("/v1/chat/completions", {"model": TEST_MODEL, "messages": [{"role": "user", "content": "Tell a story"}],
+                                  **LONG}),
+        ("/v1/chat/completions", {"model": TEST_MODEL, "messages": [{"role": "user", "content": "Tell a story"}],
+                                  "stream": True, **LONG}),
+        # Many long inputs: minutes of pooling work on two cores.
+        ("/v1/embeddings", {"model": TEST_MODEL, "input": [[11 + i % 50] * 900 for i in range(400)]}),
+    ]
+
+
+@pytest.mark.parametrize(("path", "body"), _abandoned_calls(), ids=lambda x: x if isinstance(x, str) else
+                         ("stream" if x.get("stream") else "whole"))
+def test_engine_idle_within_2s_of_the_client_leaving(server: LiveServer, path: str, body: dict) -> None:
+    """#33.1 (and "a disconnect test per endpoint"): the client leaves mid-call; within 2 s the
+    engine has no request left (embeddings kept it busy for as long as the call took)."""
+    def call() -> None:
+        with httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(60, read=1.5)) as http:
+            try:
+                with http.stream("POST", path, json=body) as resp:
+                    for _ in resp.iter_bytes():
+                        pass
+            except httpx.ReadTimeout:
+                return  # leaving: the connection closes here
+            if body.get("stream"):
+                return  # a stream's reader leaves by closing after its first bytes instead
+        raise AssertionError("the call finished before the client left; make it longer")
+
+    if body.get("stream"):
+        with httpx.Client(base_url=server.base_url, timeout=60) as http, \
+                http.stream("POST", path, json=body) as resp:
+            assert resp.status_code == 200
+            first = next(resp.iter_bytes())
+            assert b"error" not in first, first
+            _wait_running(server)
+    else:
+        thread = threading.Thread(target=call)
+        thread.start()
+        _wait_running(server)
+        thread.join()
+    left = time.monotonic()
+    server.wait_idle(timeout_s=2.0)
+    assert time.monotonic() - left < 2.5
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+# ---- 2. LoRA unload races with requests in flight ---------------------------------------------
+
+
+def _is_404_naming(resp_or_body: httpx.Response | dict, name: str) -> bool:
+    body = resp_or_body.json() if isinstance(resp_or_body, httpx.Response) else resp_or_body
+    error = body.get("error") or {}
+    return f"`{name}`" in error.get("message", "") and error.get("code") == "model_not_found"
+
+
+def test_unload_fails_the_adapters_running_request_with_404(server: LiveServer) -> None:
+    """#33.2 (accepted just before the unload): the running request ends with a 404 naming
+    the adapter (was a 500 `LoRA adapter id N is not registered`); the base model's request
+    beside it is untouched."""
+    _load(server, "gone")
+    body = {"prompt": "Once upon a time", **LONG, "n": 4}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        on_adapter = pool.submit(_post, server, "/v1/completions", {"model": "gone", **body})
+        on_base = pool.submit(_post, server, "/v1/completions", {"model": TEST_MODEL, **body, "max_tokens": 300})
+        _wait_running(server)
+        time.sleep(0.2)
+        assert _unload(server, "gone").status_code == 200
+        resp = on_adapter.result()
+        assert resp.status_code == 404 and _is_404_naming(resp, "gone"), resp.text
+        assert on_base.result().status_code == 200
+
+
+def test_unload_ends_a_stream_with_a_404_chunk(server: LiveServer) -> None:
+    """#33.2, streamed: an error chunk naming the adapter, then [DONE]."""
+    _load(server, "gone-stream")
+    body = {"model": "gone-stream", "prompt": "Once upon a time", **LONG, "n": 2, "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http, \
+            http.stream("POST", "/v1/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: {")
+        assert _unload(server, "gone-stream").status_code == 200
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and _is_404_naming(json.loads(events[-2]), "gone-stream"), events[-2:]
+
+
+def test_request_resolved_before_unload_submitted_after_is_404(server: LiveServer) -> None:
+    """#33.2 (resolved to the adapter, submitted after the unload while it waited for the
+    tokenize worker): a 404 naming the adapter, never the base model's answer under the
+    adapter's name; and the engine does not re-register the adapter (no phantom)."""
+    _load(server, "late")
+    release = threading.Event()
+    blocker = server.ctx.tokenize_pool.submit(release.wait, 30)  # the worker is busy meanwhile
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(_post, server, "/v1/completions",
+                                  {"model": "late", "prompt": "hello there", "max_tokens": 4})
+            time.sleep(0.5)  # the handler resolved "late" and waits for tokenization
+            assert _unload(server, "late").status_code == 200
+            release.set()
+            resp = pending.result()
+    finally:
+        release.set()
+        blocker.result()
+    assert resp.status_code == 404 and _is_404_naming(resp, "late"), resp.text
+    assert_no_phantom(server)
+
+
+def test_concurrent_unloads_of_one_name_one_wins(server: LiveServer) -> None:
+    """#33.2: of 8 concurrent unloads of one name, one is 200 and the others a clean 404
+    (was a 500 `KeyError` and a dropped keep-alive connection)."""
+    _load(server, "twice")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: _unload(server, "twice"), range(8)))
+    assert sorted(r.status_code for r in answers) == [200] + [404] * 7, [r.text for r in answers]
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "twice"}).status_code == 404
+        assert http.get("/health").status_code == 200  # same keep-alive connection
