@@ -89,7 +89,8 @@ def _abandoned_calls() -> list[tuple[str, dict]]:
         ("/v1/chat/completions", {"model": TEST_MODEL, "messages": [{"role": "user", "content": "Tell a story"}],
                                   "stream": True, **LONG}),
         # Many long inputs: minutes of pooling work on two cores.
-        ("/v1/embeddings", {"model": TEST_MODEL, "input": [[11 + i % 50] * 900 for i in range(400)]}),
+        ("/v1/embeddings", {"model": TEST_MODEL, "input": [[11 + (i * 7 + j) % 900 for j in range(900)]
+                                                           for i in range(400)]}),
     ]
 
 
@@ -199,3 +200,36 @@ def test_concurrent_unloads_of_one_name_one_wins(server: LiveServer) -> None:
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "twice"}).status_code == 404
         assert http.get("/health").status_code == 200  # same keep-alive connection
+
+
+def test_shutdown_ends_an_embeddings_call_cleanly(model_path) -> None:
+    """#33.1 (SIGTERM): the engine stopping under a waiting /v1/embeddings call answers it
+    with a 503 (was a 500 and an ASGI traceback: the catch-all handler re-raises)."""
+    import asyncio
+
+    from pagedserve.config import CacheConfig, EngineConfig, ModelConfig
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.server.api_server import build_app
+    from pagedserve.server.metrics import ServerMetrics
+    from pagedserve.server.serving_common import ServerContext
+
+    config = EngineConfig(model=ModelConfig(model=model_path(TEST_MODEL)), cache=CacheConfig(kv_cache_memory_bytes=8 << 20))
+    metrics = ServerMetrics(TEST_MODEL)
+    engine = AsyncLLMEngine(LLMEngine(config), metrics)
+    app = build_app(ServerContext(engine, [TEST_MODEL], model_path(TEST_MODEL), metrics))
+
+    async def scenario() -> httpx.Response:
+        engine.start()
+        # raise_app_exceptions: an exception that escapes the app fails the test.
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+            inputs = [[11 + (i * 7 + j) % 900 for j in range(900)] for i in range(400)]  # no prefix shared
+            call = asyncio.ensure_future(http.post("/v1/embeddings", json={"input": inputs}))
+            await asyncio.sleep(1.5)
+            assert not call.done(), "the call finished before the shutdown; make it longer"
+            await engine.shutdown()
+            return await call
+
+    resp = asyncio.run(scenario())
+    assert resp.status_code == 503 and "shutting down" in resp.json()["error"]["message"], resp.text
