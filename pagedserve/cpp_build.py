@@ -6,6 +6,13 @@
     loaded.reason                                  # ... and why (no compiler, build error, CPU lacks X)
     loaded.require()                               # the ops, or KernelUnavailable(reason)
 
+ISA variants (`ISA_VARIANTS`, chosen by `PAGEDSERVE_ISA`): "native" compiles with -march=native
+(on an AVX-512 CPU the kernels take their AVX-512 code), "avx2" for x86-64-v3 (what an AVX2-only
+CPU runs), "portable" for baseline x86-64 (the scalar fallbacks; kernels that need AVX2 report
+themselves unavailable and their callers take the torch paths). Tests build every variant the
+CPU can execute (`runnable_isas`), so each code path runs on every machine that can run it; a
+variant the CPU cannot run is refused with the flags it lacks.
+
 Build cache. The sources compile with -march=native, so a build is keyed by the CPU's flags,
 the torch version, the compile flags and the sources' bytes (the kernel's .cpp and the shared
 `pagedserve_common.h`), and lives under `envs.torch_extensions_dir()`. The sources are copied
@@ -21,6 +28,7 @@ variable forces the kernel, an error at model construction. The result is cached
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -40,11 +48,97 @@ logger = logging.getLogger(__name__)
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 COMMON_HEADER = "pagedserve_common.h"
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
+CFLAGS = ("-O3", "-fopenmp")
 
 
 class KernelUnavailable(RuntimeError):
     """A C++ kernel could not be built or loaded here, or is forced but cannot run."""
+
+
+@dataclass(frozen=True)
+class IsaVariant:
+    """One instruction-set target of the kernels.
+
+    Attributes:
+        march: the compiler's target flags.
+        needs: /proc/cpuinfo flags a CPU must have to run the build (x86-64 only when any).
+    """
+
+    march: tuple[str, ...]
+    needs: tuple[str, ...] = ()
+
+
+ISA_VARIANTS: dict[envs.IsaName, IsaVariant] = {
+    "native": IsaVariant(("-march=native",)),
+    "avx2": IsaVariant(("-march=x86-64-v3", "-mtune=generic"),
+                       ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")),
+    "portable": IsaVariant(("-march=x86-64", "-mtune=generic")),
+}
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The flags of /proc/cpuinfo (empty where it cannot be read)."""
+    return frozenset(_cpuinfo_flags().split())
+
+
+def cpu_description() -> str:
+    """The CPU's model name, cores and SIMD level, for benchmark output and logs (the same code
+    runs 1.3-2x apart on the CPUs this project meets), e.g.
+    "AMD EPYC, 2 cores, AVX-512 (F BW VL VNNI BF16), no AMX"."""
+    try:
+        cpuinfo = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+        model = next(line for line in cpuinfo if line.startswith("model name")).partition(":")[2].strip()
+    except (OSError, StopIteration):
+        model = platform.processor() or platform.machine()
+    flags = cpu_flags()
+    if "avx512f" in flags:
+        parts = [name.upper() for name in ("f", "bw", "vl", "vnni", "bf16", "fp16")
+                 if f"avx512{'_' if name in ('vnni', 'bf16', 'fp16') else ''}{name}" in flags]
+        level = f"AVX-512 ({' '.join(parts)})"
+    else:
+        level = "AVX2" if "avx2" in flags else "no AVX2"
+    amx = "AMX" if "amx_tile" in flags else "no AMX"
+    return f"{model}, {os.cpu_count()} cores, {level}, {amx}"
+
+
+def _cpuinfo_flags() -> str:
+    try:
+        cpuinfo = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line for line in cpuinfo if line.startswith("flags")).partition(":")[2]
+    except (OSError, StopIteration):
+        return ""
+
+
+def check_isa(isa: envs.IsaName, flags: frozenset[str] | None = None) -> None:
+    """Raises KernelUnavailable when a CPU with `flags` (default: this one) cannot run the
+    `isa` build, naming the flags it lacks."""
+    if isa == "native":
+        return
+    if not _X86:
+        raise KernelUnavailable(f"PAGEDSERVE_ISA={isa} is an x86-64 target; this CPU is "
+                                f"{platform.machine()} (use native)")
+    have = cpu_flags() if flags is None else flags
+    missing = [flag for flag in ISA_VARIANTS[isa].needs if flag not in have]
+    if missing:
+        raise KernelUnavailable(f"PAGEDSERVE_ISA={isa} needs CPU flags this CPU lacks: "
+                                f"{', '.join(missing)}")
+
+
+def runnable_isas() -> tuple[envs.IsaName, ...]:
+    """The distinct variants this CPU executes: native always; avx2 where native is AVX-512
+    (elsewhere it is the native code); portable on x86-64."""
+    found: list[envs.IsaName] = ["native"]
+    if _X86 and "avx512f" in cpu_flags():
+        try:
+            check_isa("avx2")
+            found.append("avx2")
+        except KernelUnavailable:
+            pass
+    if _X86:
+        found.append("portable")
+    return tuple(found)
 
 
 @dataclass(frozen=True, eq=False)  # identity: a cheap key of `load`'s cache
@@ -107,42 +201,56 @@ class Loaded:
 
 def machine_signature() -> str:
     """CPU flags and torch version: what a -march=native build depends on."""
-    try:
-        cpuinfo = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-        flags = next(line for line in cpuinfo if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor() or platform.machine()
+    flags = _cpuinfo_flags() or platform.processor() or platform.machine()
     return f"{flags}|torch {torch.__version__}"
 
 
-# (kernel name, extra cflags, namespace) -> the outcome, once per process. A plain dict
+# (kernel name, isa, extra cflags, namespace) -> the outcome, once per process. A plain dict
 # rather than functools.cache: torch.compile traces through layers that ask for their ops
 # on every call, and dynamo ignores cache wrappers (it would trace the build); a dict hit
 # it can follow.
-_LOADED: dict[tuple[str, tuple[str, ...], str | None], Loaded] = {}
+_LOADED: dict[tuple[str, str, tuple[str, ...], str | None], Loaded] = {}
 
 
-def load(kernel: Kernel, extra_cflags: tuple[str, ...] = (), namespace: str | None = None) -> Loaded:
-    """Build (first use on this machine, 10-30 s) or load `kernel`; never raises.
+def load(kernel: Kernel, extra_cflags: tuple[str, ...] = (), namespace: str | None = None,
+         isa: envs.IsaName | None = None) -> Loaded:
+    """Build (first use on this machine, 10-30 s) or load `kernel`; never raises for a
+    kernel that cannot be built or run (its `Loaded` says why).
 
     Args:
-        extra_cflags: a variant build (e.g. `-mno-avx512f` for the AVX2 path of a kernel);
+        extra_cflags: a variant build (e.g. `-DPAGEDSERVE_ATTN_ROW_BLOCKS=0` for an A/B);
             it must come with its own `namespace` so several builds load into one process
             (tests and A/B benchmarks).
         namespace: the op namespace; default `kernel.namespace`.
+        isa: the instruction-set variant; default `PAGEDSERVE_ISA` (native). Another variant
+            than the process's needs its own `namespace` (`load_isa` names one).
+
+    Raises:
+        KernelUnavailable: the ISA variant cannot run on this CPU (a setting to correct,
+            not a fallback to take).
     """
-    key = (kernel.name, extra_cflags, namespace)
+    isa = isa or envs.isa()
+    key = (kernel.name, isa, extra_cflags, namespace)
     loaded = _LOADED.get(key)
     if loaded is None:
-        loaded = _LOADED[key] = _load(kernel, extra_cflags, namespace)
+        check_isa(isa)
+        loaded = _LOADED[key] = _load(kernel, isa, extra_cflags, namespace)
     return loaded
 
 
-def _load(kernel: Kernel, extra_cflags: tuple[str, ...], namespace: str | None) -> Loaded:
+def load_isa(kernel: Kernel, isa: envs.IsaName) -> Loaded:
+    """`kernel` built for `isa`, in the default namespace when that is the process's variant,
+    else in `<namespace>_<isa>` (tests run every variant the CPU can execute side by side)."""
+    namespace = None if isa == envs.isa() else f"{kernel.namespace}_{isa}"
+    return load(kernel, namespace=namespace, isa=isa)
+
+
+def _load(kernel: Kernel, isa: envs.IsaName, extra_cflags: tuple[str, ...],
+          namespace: str | None) -> Loaded:
     namespace = namespace or kernel.namespace
     start = time.perf_counter()
     try:
-        _build(kernel, (*CFLAGS, *kernel.cflags, *extra_cflags,
+        _build(kernel, (*CFLAGS, *ISA_VARIANTS[isa].march, *kernel.cflags, *extra_cflags,
                         f"-DPAGEDSERVE_OPS_NAMESPACE={namespace}"))
     except KernelUnavailable as exc:
         logger.warning("%s", exc)
@@ -153,8 +261,8 @@ def _load(kernel: Kernel, extra_cflags: tuple[str, ...], namespace: str | None) 
         reason = f"this CPU lacks the instructions the {kernel.what} needs"
         logger.info("%s; using the torch path", reason)
         return Loaded(kernel, None, reason, seconds, built=True)
-    isa = f"{ops.isa()}, " if hasattr(ops, "isa") else ""
-    logger.info("C++ %s ready (%s%.1f s)", kernel.what, isa, seconds)
+    level = f"{ops.isa()}, " if hasattr(ops, "isa") else ""
+    logger.info("C++ %s ready (%s%.1f s)", kernel.what, level, seconds)
     return Loaded(kernel, ops, None, seconds, built=True)
 
 

@@ -7,12 +7,11 @@ start-up.
 
 from __future__ import annotations
 
-import functools
 import logging
-import pathlib
 
 import torch
 
+from pagedserve import cpp_build
 from pagedserve.config import DTYPE_ALIASES, LoRAConfig
 
 logger = logging.getLogger(__name__)
@@ -62,14 +61,7 @@ def lora_dtype(config: LoRAConfig, model_dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-@functools.cache
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags (False where it cannot be read)."""
-    try:
-        flags = next(
-            line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        ).split()
-    except (OSError, StopIteration):
-        return False
+    flags = cpp_build.cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -20,6 +20,10 @@ fails the engine's construction (`cpp_build.KernelUnavailable`); unset, a fallba
     PAGEDSERVE_DECODER_LOOP        "cpp" | "off" | unset (auto: cpp where the model and its
                                    kernels allow): a Llama-family model's decoder layers in
                                    one C++ call a step (see models/decoder_loop.py)
+    PAGEDSERVE_ISA                 "native" | "avx2" | "portable" | unset (auto: native): the
+                                   instruction set the C++ kernels are built for (see
+                                   cpp_build.ISA_VARIANTS); one the CPU cannot run is refused
+                                   with the CPU flags it lacks
     PAGEDSERVE_HUGE_PAGES          "on" | "off" | unset (auto: on where Linux offers
                                    transparent huge pages): CPU weights and KV cache in 2 MiB
                                    pages (see worker/huge_pages.py)
@@ -98,6 +102,15 @@ def decoder_loop() -> DecoderLoopName | None:
     """Whether steps run the decoder layers in one C++ call ("off", forced "cpp"), or
     None for automatic."""
     return _choice("PAGEDSERVE_DECODER_LOOP", _DECODER_LOOP)  # type: ignore[return-value]
+
+
+IsaName = Literal["native", "avx2", "portable"]
+ISAS: tuple[IsaName, ...] = ("native", "avx2", "portable")
+
+
+def isa() -> IsaName:
+    """The instruction set the C++ kernels are built for (default "native": -march=native)."""
+    return _choice("PAGEDSERVE_ISA", ISAS) or "native"  # type: ignore[return-value]
 
 
 HugePagesName = Literal["on", "off"]

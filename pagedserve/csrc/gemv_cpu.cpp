@@ -656,10 +656,20 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float* d
 // MT rows (xq rows K apart, dx rows K/32 apart) times tile t: tot[i * 16 + j] += sum over
 // blocks of float(dot) * scale[g, j] * dx[i, block].
 // `prefetch`: the first row block of a tile only (see tile_dot).
+// AVX512-VNNI with VL (Ice Lake / Zen 4 and later): vpdpbusd on 256-bit vectors. Set to 0 for
+// the AVX2 instruction sequence on such a CPU (benchmarks/isa_variants.py compares the two).
+#ifndef PAGEDSERVE_Q8_VNNI
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PAGEDSERVE_Q8_VNNI 1
+#else
+#define PAGEDSERVE_Q8_VNNI 0
+#endif
+#endif
+
 template <int MT>
 inline void q8_tile_rows(const int8_t* xq, const float* dx, int64_t K, int64_t group, const int8_t* qt,
                          const c10::Half* st, float* tot, bool prefetch, const NextTile& next) {
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const int64_t blocks_per_group = group / 32;
   for (int64_t b = 0; b < K / 32; ++b) {
     __m256i acc[MT][2];
@@ -678,10 +688,17 @@ inline void q8_tile_rows(const int8_t* xq, const float* dx, int64_t K, int64_t g
         int32_t quad;
         std::memcpy(&quad, xq + i * K + b * 32 + c * 4, 4);
         const __m256i xb = _mm256_set1_epi32(quad);
+#if PAGEDSERVE_Q8_VNNI
+        // vpdpbusd: the 4 unsigned x signed byte products of each lane summed into its int32
+        // in one instruction (maddubs + madd + add on AVX2); no int16 step, the same exact sum.
+        acc[i][0] = _mm256_dpbusd_epi32(acc[i][0], a0, _mm256_sign_epi8(xb, w0));
+        acc[i][1] = _mm256_dpbusd_epi32(acc[i][1], a1, _mm256_sign_epi8(xb, w1));
+#else
         const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0));
         const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1));
         acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(p0, ones));
         acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(p1, ones));
+#endif
       }
     }
     const c10::Half* sg = st + (b / blocks_per_group) * kTile;

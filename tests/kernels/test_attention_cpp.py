@@ -18,7 +18,7 @@ from pagedserve.attention import cpp_paged
 from pagedserve.attention.backend import AttentionBackend, get_attention_backend
 from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
-from pagedserve.cpp_build import PAGED_ATTENTION, KernelUnavailable, load
+from pagedserve.cpp_build import PAGED_ATTENTION, KernelUnavailable, load_isa
 
 from hf_reference import hf_greedy, make_prompts
 
@@ -221,7 +221,7 @@ def test_avx2_build_matches_reference() -> None:
     """The AVX2 path (machines without AVX-512), built as a variant of the same source."""
     if cpp_paged.load_extension().isa() != "avx512":
         pytest.skip("the native build already is the AVX2 / scalar path")
-    ops = load(PAGED_ATTENTION, ("-mno-avx512f",), namespace="pagedserve_cpu_avx2").require()
+    ops = load_isa(PAGED_ATTENTION, "avx2").require()
     assert ops.isa() == "avx2"
     rng = random.Random(5)
     for shape in (Shape(6, 2, 64), Shape(8, 2, 128)):
