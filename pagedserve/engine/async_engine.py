@@ -354,10 +354,9 @@ class AsyncLLMEngine:
     def _add(self, add: _Add) -> None:
         added: list[str] = []
         lora = add.lora_request
-        manager = self.engine.lora_manager
         # The serving path never registers implicitly: an adapter unloaded since the caller
         # resolved its name would otherwise come back (a phantom) or fail later as a 500.
-        if lora is not None and (manager is None or manager.registered.get(lora.lora_int_id) != lora):
+        if lora is not None and not self._is_registered(lora):
             add.done.set_exception(AdapterNotRegisteredError(lora.lora_name))
             return
         try:
@@ -384,6 +383,10 @@ class AsyncLLMEngine:
             if tracked is not None:
                 self.observer.on_finished(time.monotonic() - tracked.arrival_time, "abort")
         self.stats = self.engine.get_stats()
+
+    def _is_registered(self, lora: LoRARequest) -> bool:
+        manager = self.engine.lora_manager
+        return manager is not None and manager.registered.get(lora.lora_int_id) == lora
 
     def _unload(self, lora: LoRARequest) -> int:
         ids = [rid for rid, tracked in self._tracked.items() if tracked.lora_id == lora.lora_int_id]

@@ -133,7 +133,10 @@ def render_chat(
     if reserved:
         raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)} (a request field does)",
                                 "chat_template_kwargs")
-    hint = f"start the server with --chat-template {builtin_template_path()} (or a template of your model's family)"
+    # Named by its place in the package, not its path: an error must not tell a client
+    # where the server is installed.
+    hint = (f"start the server with --chat-template set to pagedserve's chat_templates/{HERMES_TOOLS_TEMPLATE} "
+            "(or a template of your model's family)")
     knows_tools = "tools" in _variables(template)
     if tools and not knows_tools:
         if require_tools:

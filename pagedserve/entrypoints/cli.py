@@ -56,8 +56,11 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="name(s) clients use as `model` (default: the MODEL argument)")
     group.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
-                       help="require 'Authorization: Bearer KEY' on /v1; several keys: any of them "
+                       help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route that does "
+                            "work (all but /health, /ping, /version and the static pages); several keys: any of them "
                             "(default: $VLLM_API_KEY, else $PAGEDSERVE_API_KEY)")
+    group.add_argument("--public-metrics", action="store_true",
+                       help="serve /metrics without the API key (every other route that does work needs it)")
     group.add_argument("--allowed-origins", type=json.loads, default=["*"],
                        help='CORS: a JSON list of origins allowed to call the server (default ["*"])')
     group.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: a JSON list of methods")

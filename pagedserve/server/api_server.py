@@ -1,8 +1,12 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLMEngine.
 
-    /v1/completions /v1/chat/completions /v1/embeddings /v1/models    (Bearer auth when an API key is set)
-    /health /ping /load /metrics /tokenize /detokenize /version
-    /  /v1/stats                                       (the playground, server/playground.py)
+    /v1/completions /v1/chat/completions /v1/embeddings /v1/models
+    /tokenize /detokenize /load /metrics /v1/stats      (the key, when an API key is set)
+    /health /ping /version  /  /playground/...  /docs   (public: no work, no data)
+
+With --api-key every route that does work or tells something about the server needs the key
+(`Authorization: Bearer <key>` or `x-api-key: <key>`); --public-metrics opens /metrics alone
+to an unauthenticated scraper.
 
 Life of a request: pydantic parses the body (errors -> 400), the handler checks the model,
 the input processor (engine/input_processor.py, in the tokenize worker) tokenizes and
@@ -86,22 +90,32 @@ def get_ctx(request: Request) -> ServerContext:
 
 
 def check_api_key(request: Request) -> None:
-    """Bearer auth for /v1; constant-time comparison so the key cannot be timed out."""
+    """The key as `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>`
+    (Anthropic's); constant-time comparison so the key cannot be timed out."""
     key = get_ctx(request).api_key
     if key is None:
         return
     keys = [key] if isinstance(key, str) else key
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    given = token.strip().encode()
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    given = [token.strip().encode()] if scheme.lower() == "bearer" else []
+    if "x-api-key" in request.headers:
+        given.append(request.headers["x-api-key"].strip().encode())
     # Every key is compared (no early exit), so timing says nothing about which one matched.
-    matches = [hmac.compare_digest(given, k.encode()) for k in keys]
-    if scheme.lower() != "bearer" or not any(matches):
+    matches = [hmac.compare_digest(g, k.encode()) for g in given for k in keys]
+    if not any(matches):
         raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
                        None, "invalid_api_key")
 
 
+def check_metrics_key(request: Request) -> None:
+    """/metrics needs the key unless the server was started with --public-metrics."""
+    if not request.app.state.http_options.public_metrics:
+        check_api_key(request)
+
+
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+# Routes outside /v1 that do work (tokenizing) or tell about the server's load: the key too.
+keyed = APIRouter(dependencies=[Depends(check_api_key)])
 root = APIRouter()
 
 GENERATE_ERRORS = _errors(400, 401, 404, 500, 503)
@@ -178,21 +192,21 @@ async def ping(request: Request) -> Response:
     return await health(request)
 
 
-@root.get("/load")
+@keyed.get("/load", responses=_errors(401))
 async def load(request: Request) -> JSONResponse:
     """vLLM's /load: generation requests the server is handling now (streams until their end)."""
     return JSONResponse({"server_load": request.app.state.server_load.value})
 
 
-@root.get("/metrics", response_class=Response,
-          responses={200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
+@root.get("/metrics", response_class=Response, dependencies=[Depends(check_metrics_key)],
+          responses={**_errors(401), 200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
     ctx = get_ctx(request)
     body = ctx.metrics.render(ctx.engine.stats, ctx.engine.num_waiting)
     return Response(body, media_type=CONTENT_TYPE)
 
 
-@root.post("/tokenize", responses={200: {"model": TokenizeResponse}, **_errors(400, 404)})
+@keyed.post("/tokenize", responses={200: {"model": TokenizeResponse}, **_errors(400, 401, 404)})
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     ctx = get_ctx(request)
     ctx.resolve_model(body.model)
@@ -204,7 +218,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     return JSONResponse({"count": len(tokens), "max_model_len": ctx.engine.max_model_len, "tokens": tokens})
 
 
-@root.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **_errors(400, 404)})
+@keyed.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **_errors(400, 401, 404)})
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
     ctx = get_ctx(request)
     ctx.resolve_model(body.model)
@@ -290,6 +304,7 @@ class HTTPOptions:
     root_path: str | None = None
     docs: bool = True  # /docs, /redoc, /openapi.json
     log_requests: bool = False
+    public_metrics: bool = False  # /metrics without the API key (for a scraper that has none)
 
     @classmethod
     def from_cli_args(cls, args: Any) -> HTTPOptions:
@@ -302,6 +317,7 @@ class HTTPOptions:
             root_path=getattr(args, "root_path", None),
             docs=not getattr(args, "disable_fastapi_docs", False),
             log_requests=getattr(args, "enable_log_requests", False),
+            public_metrics=getattr(args, "public_metrics", False),
         )
 
 
@@ -327,6 +343,7 @@ def build_app(ctx: ServerContext, options: HTTPOptions | None = None) -> FastAPI
     if options.docs:
         install_docs(app)
     app.state.ctx = ctx
+    app.state.http_options = options
     app.add_middleware(
         CORSMiddleware, allow_origins=list(options.allowed_origins), allow_methods=list(options.allowed_methods),
         allow_headers=list(options.allowed_headers), allow_credentials=options.allow_credentials,
@@ -337,6 +354,7 @@ def build_app(ctx: ServerContext, options: HTTPOptions | None = None) -> FastAPI
     app.add_middleware(_LoadTracking, load=app.state.server_load)
     install_error_handlers(app)
     app.include_router(v1)
+    app.include_router(keyed)
     app.include_router(root)
     install_playground(app, check_api_key)
     return app

@@ -10,6 +10,8 @@ is a 400 naming it too.
 from __future__ import annotations
 
 import logging
+import pathlib
+import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -57,7 +59,20 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 def _printable(text: str) -> str:
     # A message may quote the client's input; a lone surrogate in it must not break the
     # UTF-8 encoding of the answer (which would reset the connection instead).
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return _without_server_paths(text).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# Where the server is installed: no error message names these (a library's message may
+# quote a file of ours; the client learns nothing from it but the layout of the host).
+_SERVER_DIRS = tuple(sorted({str(pathlib.Path(__file__).resolve().parents[2]), sys.prefix, sys.base_prefix},
+                            key=len, reverse=True))
+
+
+def _without_server_paths(text: str) -> str:
+    for directory in _SERVER_DIRS:
+        if len(directory) > 1 and directory in text:
+            text = text.replace(directory, "<server>")
+    return text
 
 
 def known_failure(exc: BaseException) -> APIError | None:

@@ -56,17 +56,20 @@ def test_cors_request_id_ping_and_docs(server) -> None:
 
 
 def test_load_counts_requests_in_flight(server) -> None:
-    assert httpx.get(server.base_url + "/load").json() == {"server_load": 0}
+    # /load tells about the server: behind the key (issue #33.6).
+    assert httpx.get(server.base_url + "/load").status_code == 401
+    key = {"Authorization": "Bearer k2"}
+    assert httpx.get(server.base_url + "/load", headers=key).json() == {"server_load": 0}
     body = {"model": TEST_MODEL, "prompt": "hi", "max_tokens": 900, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         reply = pool.submit(httpx.post, server.v1 + "/completions", json=body,
                             headers={"Authorization": "Bearer k1"}, timeout=120)
         seen = set()
         while not reply.done():
-            seen.add(httpx.get(server.base_url + "/load").json()["server_load"])
+            seen.add(httpx.get(server.base_url + "/load", headers=key).json()["server_load"])
         assert reply.result().status_code == 200
     assert 1 in seen and seen <= {0, 1}
-    assert httpx.get(server.base_url + "/load").json() == {"server_load": 0}
+    assert httpx.get(server.base_url + "/load", headers=key).json() == {"server_load": 0}
 
 
 def test_api_key_from_vllm_environment(monkeypatch: pytest.MonkeyPatch) -> None:
