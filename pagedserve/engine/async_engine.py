@@ -283,10 +283,14 @@ class AsyncLLMEngine:
 
     def call_in_engine_thread(self, fn: Callable[[LLMEngine], Any], timeout_s: float = 30.0) -> Any:
         """Runs fn(engine) between steps and returns its result (blocking; for tests and tools)."""
+        return self.submit_call(fn).result(timeout_s)
+
+    def submit_call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future[Any]:
+        """Queues fn(engine) to run between steps; its result or exception comes in the future."""
         self._check_alive()
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._commands.put(_Call(fn, done))
-        return done.result(timeout_s)
+        return done
 
     async def unload_lora(self, lora: LoRARequest) -> int:
         """Unregisters the adapter between steps; its in-flight requests end first, each

@@ -9,11 +9,14 @@
 /v1/stats reads the same state as /metrics, but takes its snapshot inside the engine thread
 between two steps (one consistent view of the pool), so it can also count what the per-step
 statistics leave out: cached-but-free blocks and the blocks that hold resident adapters.
+During a long step it answers with the last snapshot (`snapshot_time` says when) rather than
+waiting on the engine thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -63,10 +66,41 @@ def engine_snapshot(engine: LLMEngine) -> dict[str, Any]:
     }
 
 
+class SnapshotCache:
+    """The panel's last engine snapshot. A poll asks the engine thread for a fresh one (at
+    most one asked at a time) and waits briefly; during a long step it serves the last one
+    taken between steps instead of waiting on the engine thread (the page polls every second).
+    """
+
+    def __init__(self) -> None:
+        self.last: dict[str, Any] | None = None
+        self.taken_at = 0.0
+        self._pending: asyncio.Future[dict[str, Any]] | None = None
+
+    async def get(self, engine: Any) -> tuple[dict[str, Any], float]:
+        """(a copy of the newest snapshot, when it was taken: time.time())."""
+        if self._pending is None or self._pending.done():
+            self._pending = asyncio.wrap_future(engine.submit_call(engine_snapshot))
+        pending = self._pending
+        # No snapshot yet (the first poll): worth waiting for the step to end.
+        done, _ = await asyncio.wait({pending}, timeout=FRESH_WAIT_S if self.last is not None else FIRST_WAIT_S)
+        if done:
+            self.last, self.taken_at = pending.result(), time.time()
+        if self.last is None:
+            raise APIError(503, "the engine is busy with a long step; no statistics yet", None, "busy",
+                           headers={"Retry-After": "1"})
+        return copy.deepcopy(self.last), self.taken_at
+
+
+# How long a poll waits for a fresh snapshot before serving the last one (seconds).
+FRESH_WAIT_S = 0.25
+FIRST_WAIT_S = 5.0
+
+
 async def stats(request: Request) -> JSONResponse:
     ctx = request.app.state.ctx
     try:
-        snap = await asyncio.to_thread(ctx.engine.call_in_engine_thread, engine_snapshot, 5.0)
+        snap, taken_at = await request.app.state.snapshots.get(ctx.engine)
     except EngineDeadError as exc:
         raise APIError(503, str(exc)) from None
     names = {lora.lora_int_id: name for name, lora in ctx.loras.adapters.items()}
@@ -79,6 +113,7 @@ async def stats(request: Request) -> JSONResponse:
     snap["requests"]["waiting"] = max(snap["requests"]["waiting"], ctx.engine.num_waiting)
     snap["model"] = ctx.model_names[0]
     snap["time"] = time.time()
+    snap["snapshot_time"] = taken_at  # older than `time` while a long step runs
     return JSONResponse(snap)
 
 
@@ -88,6 +123,7 @@ async def index() -> FileResponse:
 
 def install_playground(app: FastAPI, check_api_key: Callable[..., None]) -> None:
     """Adds the page, its assets and /v1/stats to `app` (`check_api_key` guards /v1/stats)."""
+    app.state.snapshots = SnapshotCache()
     router = APIRouter()
     router.add_api_route("/", index, methods=["GET"], include_in_schema=False)
     router.add_api_route("/v1/stats", stats, methods=["GET"], dependencies=[Depends(check_api_key)])

@@ -233,3 +233,27 @@ def test_shutdown_ends_an_embeddings_call_cleanly(model_path) -> None:
 
     resp = asyncio.run(scenario())
     assert resp.status_code == 503 and "shutting down" in resp.json()["error"]["message"], resp.text
+
+
+# ---- 5. /v1/stats during a long engine step ----------------------------------------------------
+
+
+def test_stats_during_a_long_step_serves_the_last_snapshot(server: LiveServer) -> None:
+    """#33.5: while the engine thread is busy for 6 s (a stand-in for a long prefill step),
+    every /v1/stats poll is a quick 200 from the last snapshot (was a 500 TimeoutError
+    after 5 s)."""
+    first = httpx.get(server.v1 + "/stats", timeout=30)
+    assert first.status_code == 200, first.text
+    busy = server.ctx.engine.submit_call(lambda e: time.sleep(6))
+    try:
+        time.sleep(0.1)
+        for _ in range(4):
+            start = time.monotonic()
+            resp = httpx.get(server.v1 + "/stats", timeout=30)
+            assert resp.status_code == 200 and time.monotonic() - start < 1.5, resp.text
+            body = resp.json()
+            assert body["kv_blocks"]["total"] == first.json()["kv_blocks"]["total"]
+            assert body["snapshot_time"] <= body["time"]
+    finally:
+        busy.result(30)
+    assert httpx.get(server.v1 + "/stats", timeout=30).json()["snapshot_time"] > body["snapshot_time"]
