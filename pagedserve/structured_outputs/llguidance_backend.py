@@ -16,10 +16,21 @@ import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from pagedserve.sampling_params import StructuredOutputsParams
-from pagedserve.structured_outputs.backend import GrammarError, choice_grammar, is_gbnf
+from pagedserve.structured_outputs.backend import GrammarError, is_gbnf
 
 # Resource limits: a schema past these is a 400 at compile time, not a slow step later.
 _LIMITS = llguidance.LLParserLimits(max_grammar_size=200_000, step_max_items=50_000)
+
+
+def choice_lexeme(choices: list[str]) -> str:
+    """A Lark grammar whose language is exactly `choices`, as one terminal (upper-case name).
+
+    As a rule (`start: "a" | "b" | ...`) every choice is an Earley item of the first row,
+    and past llguidance's 2,000 items a row the parser errs on the first token (3,000
+    choices answered "item"); as a terminal the choices are one lexeme, matched by the
+    lexer's lazily built automaton, so the parser row holds one item however many there are.
+    """
+    return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices) + "\n"
 
 
 class LLGuidanceMatcher:
@@ -85,7 +96,7 @@ class LLGuidanceBackend:
             if kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(params.regex or "")
             if kind == "choice":
-                return llguidance.LLMatcher.grammar_from_lark(choice_grammar(list(params.choice or [])))
+                return llguidance.LLMatcher.grammar_from_lark(choice_lexeme(list(params.choice or [])))
             grammar = params.grammar or ""
             return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(grammar) if is_gbnf(grammar) else grammar)
         except (ValueError, TypeError) as exc:

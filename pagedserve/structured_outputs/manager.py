@@ -108,6 +108,10 @@ class StructuredOutputManager:
                 future.set_exception(GrammarError(f"invalid {params.kind}: {exc}"))
 
 
+class GrammarRejectedError(RuntimeError):
+    """A token the sequence kept is not allowed by its grammar: the request fails."""
+
+
 class RequestGrammar:
     """One sequence's matcher, kept in step with the tokens the sequence keeps.
 
@@ -137,7 +141,7 @@ class RequestGrammar:
             self._matcher = self._grammar.new_matcher()
         self._catch_up(output_token_ids, num_proposed)
         if self._failed:
-            # Cannot happen with masks applied; if it does, end the sequence rather than guess.
+            # Only after a rejected speculative proposal (a kept token raises instead).
             bitmask[row].zero_()
             if self._eos_token_id is not None:
                 bitmask[row, self._eos_token_id // 32] = 1 << (self._eos_token_id % 32)
@@ -166,7 +170,13 @@ class RequestGrammar:
             token = tokens[index]
             if not self._matcher.accept_token(token):
                 if index < first_proposed:
-                    logger.warning("grammar rejected token %d after %d tokens; ending the sequence", token, index)
-                self._failed = True
+                    # A kept token the grammar refuses (the backend erred, or its mask was
+                    # wrong): the output already breaks the constraint, so the request fails
+                    # (the runner ends it alone, finish_reason "error"); ending it as "stop"
+                    # would hand the client text outside its constraint as a success.
+                    why = getattr(self._matcher, "error", lambda: "")()
+                    raise GrammarRejectedError(
+                        f"the grammar rejected token {token} after {index} tokens" + (f": {why}" if why else ""))
+                self._failed = True  # a speculative proposal: expected, the mask rejects it
                 break
             done.append(token)

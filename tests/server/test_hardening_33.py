@@ -257,3 +257,44 @@ def test_stats_during_a_long_step_serves_the_last_snapshot(server: LiveServer) -
     finally:
         busy.result(30)
     assert httpx.get(server.v1 + "/stats", timeout=30).json()["snapshot_time"] > body["snapshot_time"]
+
+
+# ---- 3. a choice constraint with thousands of choices ------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["guided_choice", "structured_outputs"])
+def test_three_thousand_choices_answer_a_choice(server: LiveServer, field: str) -> None:
+    """#33.3: 3,000 choices (past llguidance's 2,000 Earley items a row when each choice was
+    a rule alternative) answer one of them, never "item" with finish_reason stop."""
+    choices = [f"item{i}" for i in range(3000)]
+    constraint = choices if field == "guided_choice" else {"choice": choices}
+    resp = _post(server, "/v1/completions", {"model": TEST_MODEL, "prompt": "Pick one:", "max_tokens": 12,
+                                             "temperature": 0, field: constraint})
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["text"] in choices and choice["finish_reason"] == "stop", choice
+
+
+def test_a_rejected_kept_token_fails_the_request(model_path) -> None:
+    """#33.3: a token the sequence kept that its grammar refuses raises (the runner then
+    fails that request alone, finish_reason "error"); it used to end the sequence as a
+    successful "stop"."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from pagedserve.sampling_params import StructuredOutputsParams
+    from pagedserve.structured_outputs.manager import (
+        GrammarRejectedError,
+        RequestGrammar,
+        StructuredOutputManager,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path(TEST_MODEL))
+    manager = StructuredOutputManager("llguidance", tokenizer, len(tokenizer), tokenizer.eos_token_id)
+    grammar = manager.compile(StructuredOutputsParams(choice=["yes", "no"]))
+    bitmask = torch.zeros(1, (len(tokenizer) + 31) // 32, dtype=torch.int32)
+    outside = tokenizer.encode("maybe", add_special_tokens=False)
+    with pytest.raises(GrammarRejectedError, match="rejected token"):
+        RequestGrammar(grammar, tokenizer.eos_token_id).fill_bitmask(outside, bitmask, 0)
+    # A rejected speculative proposal is expected, not an error.
+    RequestGrammar(grammar, tokenizer.eos_token_id).fill_bitmask(outside[:1], bitmask, 0, num_proposed=1)
