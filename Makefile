@@ -1,5 +1,5 @@
 # `make serve` and `make test` each set up .venv first (idempotent, fast when done).
-.PHONY: setup serve demo test test-all lint typecheck bench
+.PHONY: setup serve demo test test-slow test-all lint typecheck bench
 
 setup:
 	@bash scripts/setup.sh
@@ -11,8 +11,15 @@ serve: setup
 demo: setup
 	.venv/bin/python -m pagedserve.entrypoints.demo
 
+# The C++ kernels first, for every ISA variant the tests run on this CPU (both cores at once;
+# a machine without a compiler goes on and the tests take their fallbacks), then the fast
+# suite. `make test-slow` runs the tests marked slow (minutes each); CI runs both.
 test: setup
+	-.venv/bin/python -m pagedserve.cpp_build --isa runnable --jobs 2
 	.venv/bin/python -m pytest -q
+
+test-slow: setup
+	.venv/bin/python -m pytest -q -m slow
 
 test-all: setup
 	.venv/bin/python -m pytest -q -m ""

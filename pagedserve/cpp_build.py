@@ -316,11 +316,35 @@ def _build(kernel: Kernel, cflags: tuple[str, ...]) -> None:
         ) from exc
 
 
-def main() -> None:
-    """`python -m pagedserve.cpp_build`: build every kernel now (an image's build step)."""
+def _build_one(job: tuple[str, envs.IsaName]) -> tuple[str, envs.IsaName, bool, str | None]:
+    """A worker process's build of one (kernel, ISA variant)."""
+    kernel = next(k for k in KERNELS if k.name == job[0])
+    loaded = load_isa(kernel, job[1])
+    return kernel.name, job[1], loaded.built, loaded.reason
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m pagedserve.cpp_build [--isa runnable] [--jobs 2]`: build the kernels now (an
+    image's build step; `make test` builds every variant the tests run, both cores at once,
+    since one compile uses one core)."""
+    import argparse
+    from concurrent.futures import ProcessPoolExecutor
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--isa", default="native", choices=(*envs.ISAS, "runnable"),
+                        help="a variant, or every variant this CPU runs (default native)")
+    parser.add_argument("--jobs", type=int, default=1, help="builds at once (default 1)")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    failed = [name for name, loaded in load_all().items() if not loaded.built]
-    raise SystemExit(f"failed: {', '.join(failed)}" if failed else 0)
+    isas = runnable_isas() if args.isa == "runnable" else (args.isa,)
+    jobs = [(kernel.name, isa) for isa in isas for kernel in KERNELS]
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(_build_one, jobs))
+    else:
+        results = [_build_one(job) for job in jobs]
+    failed = [f"{name} ({isa}): {reason}" for name, isa, built, reason in results if not built]
+    raise SystemExit(f"failed: {'; '.join(failed)}" if failed else 0)
 
 
 if __name__ == "__main__":
