@@ -238,6 +238,27 @@ def load(kernel: Kernel, extra_cflags: tuple[str, ...] = (), namespace: str | No
     return loaded
 
 
+def resolve(kernel: Kernel, choice: str | None) -> Any | None:
+    """The one rule of every "use the C++ kernel or fall back" choice (`PAGEDSERVE_*` values):
+    "cpp" forces the kernel (KernelUnavailable when it cannot be built or run here); None
+    (auto) takes it where it builds and runs, else logs the fallback once and returns None; any
+    other value ("torch", "off") turns it off. The ISA variant is `PAGEDSERVE_ISA`'s.
+    """
+    if choice not in (None, "cpp"):
+        return None
+    loaded = load(kernel)
+    if loaded.ops is None:
+        if choice == "cpp":
+            loaded.require()
+        _warn_fallback(kernel.what, loaded.reason or "")
+    return loaded.ops
+
+
+@functools.cache
+def _warn_fallback(what: str, reason: str) -> None:
+    logger.warning("the C++ %s is unavailable, using the torch path: %s", what, reason)
+
+
 def load_isa(kernel: Kernel, isa: envs.IsaName) -> Loaded:
     """`kernel` built for `isa`, in the default namespace when that is the process's variant,
     else in `<namespace>_<isa>` (tests run every variant the CPU can execute side by side)."""

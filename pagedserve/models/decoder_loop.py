@@ -88,18 +88,16 @@ class DecoderLoop:
         if choice == "off":
             return None
         reason = _why_not(model, backend, kv_dtype, dtype, device, tp_size)
-        if reason is None:
-            loaded = cpp_build.load(cpp_build.DECODER_LOOP)
-            if loaded.ops is None and choice == "cpp":
-                loaded.require()
-            reason = None if loaded.ops is not None else f"the kernel is unavailable: {loaded.reason}"
+        ops = None if reason is not None else cpp_build.resolve(cpp_build.DECODER_LOOP, choice)
+        if reason is None and ops is None:
+            reason = "the kernel is unavailable"
         if reason is not None:
             if choice == "cpp":
                 raise ValueError(f"PAGEDSERVE_DECODER_LOOP=cpp, but {reason}")
             logger.info("decoder loop off: %s", reason)
             return None
         weights, layout, max_tokens = _flatten(model)
-        return cls(model, backend, loaded.ops, weights, layout, max_tokens)
+        return cls(model, backend, ops, weights, layout, max_tokens)
 
     def takes(self, num_tokens: int, meta: AttentionMetadata, adapter_tokens: bool = False) -> bool:
         """Whether this step can run here: a size every linear has a call for, no token of a

@@ -67,13 +67,7 @@ def gemv_ops() -> Any:
     Raises:
         KernelUnavailable: PAGEDSERVE_GEMV=cpp and the kernel is unavailable.
     """
-    choice = envs.gemv()
-    if choice == "off":
-        return None
-    loaded = cpp_build.load(cpp_build.GEMV)
-    if choice == "cpp":
-        loaded.require()
-    return loaded.ops
+    return cpp_build.resolve(cpp_build.GEMV, envs.gemv())
 
 
 def takes(weight: torch.Tensor) -> bool:

@@ -10,15 +10,11 @@ two). At run time `for_tensor(ops, x)` only checks that `x` is a CPU float32 / b
 
 from __future__ import annotations
 
-import functools
-import logging
 from typing import Any
 
 import torch
 
 from pagedserve import cpp_build, envs
-
-logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -30,16 +26,10 @@ def resolve() -> Any:
         KernelUnavailable: PAGEDSERVE_FUSED_OPS=cpp and the kernel cannot be built.
         ValueError: PAGEDSERVE_FUSED_OPS has another value.
     """
-    choice = envs.fused_ops()
     # A layer built for another device (the loader's `with torch.device(...)`) never runs them.
-    if choice == "torch" or torch.empty(0).device.type != "cpu":
+    if torch.empty(0).device.type != "cpu":
         return None
-    loaded = cpp_build.load(cpp_build.FUSED_OPS)
-    if loaded.ops is None:
-        if choice == "cpp":
-            loaded.require()
-        _warn_once(loaded.reason or "")
-    return loaded.ops
+    return cpp_build.resolve(cpp_build.FUSED_OPS, envs.fused_ops())
 
 
 def available() -> bool:
@@ -53,7 +43,3 @@ def for_tensor(ops: Any, x: torch.Tensor) -> Any:
         return None
     return ops
 
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    logger.warning("fused ops: using torch's elementwise ops: %s", message)
