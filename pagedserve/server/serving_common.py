@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -28,6 +29,7 @@ from pagedserve.server.errors import APIError, bad_request, known_failure
 from pagedserve.server.lora_admin import LoRARegistry
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.structured_outputs import GrammarError
+from pagedserve.structured_outputs.manager import STARTED_POLL_S, started
 
 SSE_DONE = "data: [DONE]\n\n"
 # How often a non-streaming handler checks that its client is still there.
@@ -120,7 +122,7 @@ def make_params(
 
 
 async def compile_constraint(ctx: ServerContext, params: SamplingParams, param: str | None) -> None:
-    """Compiles the request's grammar in the compile thread before it is queued (the engine
+    """Compiles the request's grammar in a compile worker before it is queued (the engine
     then finds it cached), so a bad or too slow constraint is a 400 naming `param` and no
     grammar is ever compiled inside an engine step."""
     spec = params.structured_outputs
@@ -130,14 +132,25 @@ async def compile_constraint(ctx: ServerContext, params: SamplingParams, param: 
     if manager is None:
         raise APIError(400, f"{param}: structured outputs need a tokenizer", param)
     future = manager.compile_async(spec)
+    cached = future.done()  # however long it once took, it is ready now
+    # Queued behind other clients' compiles is not this request's time: its deadline runs
+    # from when a worker takes it.
+    queued_until = time.monotonic() + manager.max_queue_wait_s
+    while not started(future):
+        if time.monotonic() > queued_until:
+            raise APIError(503, manager.queue_full_message(param or "constraint"), param, "overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        await asyncio.sleep(STARTED_POLL_S)
     try:
-        # shield: a timeout here must not cancel the shared, cached compilation.
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), manager.compile_timeout_s)
+        # shield: a timeout here must not cancel the shared, cached compilation (it finishes
+        # into the cache on its worker).
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), max(0.0, manager.time_left(future)))
     except TimeoutError:
-        raise APIError(400, f"{param}: compiling the grammar took longer than {manager.compile_timeout_s:g} s; "
-                       "simplify the constraint", param) from None
+        raise APIError(400, manager.timeout_message(param or "constraint"), param) from None
     except GrammarError as exc:
         raise APIError(400, f"{param}: {exc}", param) from None
+    if not cached and manager.time_left(future) < 0:
+        raise APIError(400, manager.timeout_message(param or "constraint"), param)
 
 
 async def process(

@@ -1,7 +1,7 @@
 """Compiles constraints off the hot path and keeps one matcher per sequence.
 
     server handler / LLMEngine.add_request
-        -> StructuredOutputManager.compile_async(params)   worker thread, cached by spec
+        -> StructuredOutputManager.compile_async(params)   a small worker pool, cached by spec
         -> RequestGrammar(compiled) per sequence            (n / best_of: one each)
     model runner, each step
         -> RequestGrammar.fill_bitmask(output_token_ids, bitmask, row)
@@ -16,7 +16,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -37,6 +40,11 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("llguidance", "xgrammar")
 DEFAULT_BACKEND = "llguidance"  # chosen by benchmarks/structured.py: see BENCHMARKS.md
 _CACHE_SIZE = 512
+# Grammar compilations at once: a slow one (a huge choice list, a deep schema) holds one.
+COMPILE_WORKERS = 4
+# A compile waits at least this long for a free worker (more with a longer compile timeout).
+QUEUE_WAIT_MIN_S = 30.0
+STARTED_POLL_S = 0.01
 # Tokens compared at the end of a sequence to find rejected proposals (>= the longest run).
 _TAIL_CHECK = 16
 
@@ -47,24 +55,40 @@ class StructuredOutputManager:
         tokenizer: the engine's Hugging Face tokenizer.
         vocab_size: width of the model's logits (may exceed the tokenizer's size).
         eos_token_id: the engine's EOS id; the grammar allows it only once complete.
-        compile_timeout_s: a compilation slower than this fails its request (400).
+        compile_timeout_s: a compilation slower than this fails its request (400); counted
+            from when its own compile starts, not from when it was queued.
+        num_workers: compilations run at once (a slow grammar holds one worker, not all).
+        load: builds the backend from (name, tokenizer, vocab_size, eos_token_id).
     """
 
     def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_token_id: int | None,
-                 compile_timeout_s: float = 10.0) -> None:
+                 compile_timeout_s: float = 10.0, num_workers: int = COMPILE_WORKERS,
+                 load: Callable[..., GrammarBackend] = load_backend) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"structured outputs backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.backend_name = backend
         self.compile_timeout_s = compile_timeout_s
         self._args = (tokenizer, vocab_size, eos_token_id)
+        self._load = load
         self._backend: GrammarBackend | None = None
         self._cache: OrderedDict[tuple[str, str, bool], Future[CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
+        # Daemon threads of our own (not a ThreadPoolExecutor, whose threads are joined at
+        # exit): a pathological grammar still compiling never blocks the process from ending.
         self._queue: queue.Queue[tuple[StructuredOutputsParams, Future[CompiledGrammar]]] = queue.Queue()
-        self._worker: threading.Thread | None = None
+        self._num_workers = num_workers
+        self._workers: list[threading.Thread] = []
+        # Per compile: [start, end] (time.monotonic()), written by its worker.
+        self._times: weakref.WeakKeyDictionary[Future[CompiledGrammar], list[float]] = weakref.WeakKeyDictionary()
+
+    @property
+    def max_queue_wait_s(self) -> float:
+        """How long a compile may wait for a free worker before its request is refused."""
+        return max(QUEUE_WAIT_MIN_S, self.compile_timeout_s * self._num_workers)
 
     def compile_async(self, params: StructuredOutputsParams) -> Future[CompiledGrammar]:
-        """A future of the compiled grammar (already done on a cache hit). Thread-safe."""
+        """A future of the compiled grammar (already done on a cache hit); it is running
+        once a worker took it (`started`). Thread-safe."""
         key = params.key()
         with self._lock:
             future = self._cache.get(key)
@@ -75,37 +99,75 @@ class StructuredOutputManager:
             self._cache[key] = future
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-            if self._worker is None:
-                # A daemon thread: a pathological grammar still compiling never blocks exit.
-                self._worker = threading.Thread(target=self._work, name="grammar-compile", daemon=True)
-                self._worker.start()
+            if len(self._workers) < self._num_workers:
+                worker = threading.Thread(target=self._work, name=f"grammar-compile-{len(self._workers)}", daemon=True)
+                self._workers.append(worker)
+                worker.start()
         self._queue.put((params, future))
         return future
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """Waits for the grammar; GrammarError if invalid or slower than compile_timeout_s."""
+        """Waits for the grammar; GrammarError if invalid, or slower than compile_timeout_s
+        from the start of its own compile."""
         future = self.compile_async(params)
+        if future.done():
+            return future.result()  # a cache hit, however long it once took
+        queued_until = time.monotonic() + self.max_queue_wait_s
+        while not started(future):
+            if time.monotonic() > queued_until:
+                raise GrammarError(self.queue_full_message(params.kind))
+            time.sleep(STARTED_POLL_S)
         try:
-            return future.result(timeout=self.compile_timeout_s)
+            grammar = future.result(timeout=max(0.0, self.time_left(future)))
         except FutureTimeout:
-            raise GrammarError(
-                f"{params.kind}: compiling the grammar took longer than {self.compile_timeout_s:g} s; "
-                "simplify the constraint"
-            ) from None
+            raise GrammarError(self.timeout_message(params.kind)) from None
+        if self.time_left(future) < 0:
+            raise GrammarError(self.timeout_message(params.kind))
+        return grammar
+
+    def time_left(self, future: Future[CompiledGrammar]) -> float:
+        """compile_timeout_s less the time the compile took (so far, if still running)."""
+        times = self._times.get(future)
+        if not times:
+            return self.compile_timeout_s
+        end = times[1] if len(times) > 1 else time.monotonic()
+        return self.compile_timeout_s - (end - times[0])
+
+    def timeout_message(self, what: str) -> str:
+        return f"{what}: compiling the grammar took longer than {self.compile_timeout_s:g} s; simplify the constraint"
+
+    def queue_full_message(self, what: str) -> str:
+        return f"{what}: every grammar compiler stayed busy for {self.max_queue_wait_s:g} s; retry later"
+
+    def _backend_instance(self) -> GrammarBackend:
+        with self._lock:
+            if self._backend is None:
+                self._backend = self._load(self.backend_name, *self._args)
+            return self._backend
 
     def _work(self) -> None:
         while True:
             params, future = self._queue.get()
+            times = [time.monotonic()]
+            self._times[future] = times  # before it shows as running
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                if self._backend is None:
-                    self._backend = load_backend(self.backend_name, *self._args)
-                future.set_result(self._backend.compile(params))
+                grammar = self._backend_instance().compile(params)
             except GrammarError as exc:
+                times.append(time.monotonic())
                 future.set_exception(exc)
             except Exception as exc:  # noqa: BLE001 - any backend failure is this request's 400
+                times.append(time.monotonic())
                 future.set_exception(GrammarError(f"invalid {params.kind}: {exc}"))
+            else:
+                times.append(time.monotonic())
+                future.set_result(grammar)
+
+
+def started(future: Future[Any]) -> bool:
+    """A compile's deadline runs from here: a worker took it (or it is already done)."""
+    return future.running() or future.done()
 
 
 class GrammarRejectedError(RuntimeError):

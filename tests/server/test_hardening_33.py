@@ -298,3 +298,41 @@ def test_a_rejected_kept_token_fails_the_request(model_path) -> None:
         RequestGrammar(grammar, tokenizer.eos_token_id).fill_bitmask(outside, bitmask, 0)
     # A rejected speculative proposal is expected, not an error.
     RequestGrammar(grammar, tokenizer.eos_token_id).fill_bitmask(outside[:1], bitmask, 0, num_proposed=1)
+
+
+# ---- 4. one client's slow grammar must not fail the others' ---------------------------------
+
+
+class _SlowBackend:
+    """A backend whose `regex="slow"` takes 1.5 s to compile; anything else is instant."""
+
+    name = "fake"
+
+    def compile(self, params):
+        if params.regex == "slow":
+            time.sleep(1.5)
+        return object()
+
+
+def test_a_slow_compile_does_not_fail_the_others() -> None:
+    """#33.4: with a 1 s compile timeout, a 1.5 s compile fails alone; trivial constraints
+    sent meanwhile compile at once on the other workers (with one compile thread and the
+    deadline counted from submission they waited behind it and timed out)."""
+    from pagedserve.sampling_params import StructuredOutputsParams
+    from pagedserve.structured_outputs import GrammarError
+    from pagedserve.structured_outputs.manager import StructuredOutputManager
+
+    manager = StructuredOutputManager("llguidance", None, 32, None, compile_timeout_s=1.0,
+                                      load=lambda *_: _SlowBackend())
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        slow = pool.submit(manager.compile, StructuredOutputsParams(regex="slow"))
+        time.sleep(0.1)  # the slow one holds a worker
+        start = time.monotonic()
+        quick = [pool.submit(manager.compile, StructuredOutputsParams(regex=f"(yes|no){i}")) for i in range(3)]
+        assert all(f.result() is not None for f in quick)
+        assert time.monotonic() - start < 0.5
+        with pytest.raises(GrammarError, match="took longer than 1 s"):
+            slow.result()
+    # It finished into the cache meanwhile: asked again, it is there at once.
+    time.sleep(0.6)
+    assert manager.compile(StructuredOutputsParams(regex="slow")) is not None
