@@ -441,6 +441,87 @@ void dense_impl(const at::Tensor& xf, const Elem* w, int64_t tiles, const at::Te
   });
 }
 
+// ---- bfloat16 x bfloat16 with AVX512-BF16 (vdpbf16ps) ---------------------------------------
+//
+// A bf16 model's rows times bf16 pair tiles: a pair tile's 16 channels x 2 k are one 512-bit
+// vector, the row's k-pair (two bf16, 32 bits) broadcast to every lane, and vdpbf16ps adds both
+// exact products of each lane into its float32 accumulator: 16 channels x 2 k in one instruction
+// (an AVX2 FMA does 8 x 1, after widening the weight). Only for bf16 rows: a float32 row would
+// have to be rounded to bf16 first, and a float32 model never computes in bf16. The instruction
+// flushes denormals (inputs and result) to zero; otherwise float32 sums as on the AVX2 path, in
+// another order. `-DPAGEDSERVE_DENSE_DPBF16=0` builds the AVX2 path for them
+// (benchmarks/isa_variants.py compares).
+#ifndef PAGEDSERVE_DENSE_DPBF16
+#if defined(PAGEDSERVE_AVX512BF16)
+#define PAGEDSERVE_DENSE_DPBF16 1
+#else
+#define PAGEDSERVE_DENSE_DPBF16 0
+#endif
+#endif
+#if PAGEDSERVE_DENSE_DPBF16
+// MT rows (k-pairs `ldx` uint32 apart) times one tile: out[i * 16 + j]. U accumulators a row
+// keep U * MT >= 4 chains in flight (vdpbf16ps latency over its issue rate).
+template <int MT>
+inline void tile_dpbf16(const uint32_t* x, int64_t ldx, int64_t pairs, const uint16_t* w, float* out,
+                        bool prefetch, const NextTile& next) {
+  constexpr int U = MT >= 4 ? 1 : (MT == 1 ? 4 : 2);
+  __m512 acc[U][MT];
+  PAGEDSERVE_UNROLL
+  for (int u = 0; u < U; ++u)
+    PAGEDSERVE_UNROLL
+    for (int i = 0; i < MT; ++i) acc[u][i] = _mm512_setzero_ps();
+  auto step = [&](int u, int64_t p) {
+    if (prefetch) prefetch_ahead(w + p * 32, 64);
+    next.at(p);
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + p * 32);
+    PAGEDSERVE_UNROLL
+    for (int i = 0; i < MT; ++i)
+      acc[u][i] = _mm512_dpbf16_ps(acc[u][i], wv, (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * ldx + p])));
+  };
+  int64_t p = 0;
+  for (; p + U <= pairs; p += U)
+    PAGEDSERVE_UNROLL
+    for (int u = 0; u < U; ++u) step(u, p + u);
+  for (; p < pairs; ++p) step(0, p);
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < MT; ++i) {
+    for (int u = 1; u < U; ++u) acc[0][i] = _mm512_add_ps(acc[0][i], acc[u][i]);
+    _mm512_storeu_ps(out + i * kTile, acc[0][i]);
+  }
+}
+
+// Rows in blocks of up to 8 (8 accumulators + the weight + a broadcast of 32 registers); the
+// first block streams the tile, every block requests its share of the next (see NextTile).
+inline void dense_dpbf16(const at::Tensor& x, const uint16_t* w, int64_t tiles, const at::Tensor& bias,
+                         at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = tiles * kTile, pairs = K / 2;
+  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  at::Tensor bf = bias.defined() ? bias.to(at::kFloat).contiguous() : bias;
+  const TileOut out(y, bf.defined() ? bf.data_ptr<float>() : nullptr, N);
+  const int64_t tile_bytes = pairs * 64, blocks = (M + 7) / 8;
+  for_tiles(tiles, tile_bytes, M, [&](int64_t t, float* sums) {
+    const uint16_t* wt = w + t * pairs * 32;
+    for (int64_t m = 0, block = 0; m < M; m += 8, ++block) {
+      const NextTile next = NextTile::share(wt + pairs * 32, tile_bytes, pairs, block, blocks);
+      const uint32_t* xm = xp + m * pairs;
+      float* o = sums + m * kTile;
+      const bool first = block == 0;
+      switch (std::min<int64_t>(8, M - m)) {
+        case 8: tile_dpbf16<8>(xm, pairs, pairs, wt, o, first, next); break;
+        case 7: tile_dpbf16<7>(xm, pairs, pairs, wt, o, first, next); break;
+        case 6: tile_dpbf16<6>(xm, pairs, pairs, wt, o, first, next); break;
+        case 5: tile_dpbf16<5>(xm, pairs, pairs, wt, o, first, next); break;
+        case 4: tile_dpbf16<4>(xm, pairs, pairs, wt, o, first, next); break;
+        case 3: tile_dpbf16<3>(xm, pairs, pairs, wt, o, first, next); break;
+        case 2: tile_dpbf16<2>(xm, pairs, pairs, wt, o, first, next); break;
+        default: tile_dpbf16<1>(xm, pairs, pairs, wt, o, first, next); break;
+      }
+    }
+    out.store(sums, M, t);
+  });
+}
+#endif
+
 // ---- group-wise int8 / int4 ("channel tiles") -------------------------------------------
 
 // 16 int8 weights of channels 16 t .. 16 t + 15 at one k, as two float vectors.
@@ -789,6 +870,12 @@ at::Tensor gemv_dense(const at::Tensor& x_in, const at::Tensor& w, const c10::op
   at::Tensor y = at::empty(out_shape(x_in, N), x.options());
 #if defined(PAGEDSERVE_AVX2)
   if (x.size(0) == 0) return y;
+#if PAGEDSERVE_DENSE_DPBF16
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
+    dense_dpbf16(x.contiguous(), reinterpret_cast<const uint16_t*>(w.data_ptr()), w.size(0), b, y);
+    return y;
+  }
+#endif
   at::Tensor xf = x_as_float(x, false).contiguous();
   if (w.scalar_type() == at::kFloat)
     dense_impl<LoadF32>(xf, w.data_ptr<float>(), w.size(0), b, y);
