@@ -54,6 +54,8 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Run one layer's paged attention.
 
@@ -64,6 +66,10 @@ class AttentionBackend(ABC):
                 The new K/V are written at `slot_mapping` before attending.
             meta: what `build_metadata` returned for this step.
             scale: softmax scale (usually head_dim ** -0.5).
+            sliding_window: a windowed layer's window W: the query at position p attends to
+                keys p - W + 1 .. p only (Hugging Face's `kv_idx > q_idx - W`); None = all.
+            softcap: scores become softcap * tanh(scores / softcap) before the softmax
+                (Gemma 2); None = no capping.
 
         Returns:
             (num_tokens, num_heads, head_dim) attention output in the flat batch order.

@@ -174,10 +174,16 @@ class CppPagedAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta, CppAttentionMetadata)
-        if query.dtype not in _SUPPORTED_DTYPES or kv_cache.dtype != query.dtype:
-            return self._forward_fallback(query, key, value, kv_cache, meta, scale)
+        # The kernel has neither a per-query window nor softcapping: such layers (Gemma's
+        # windowed layers, Gemma 2) take the torch backend (see _forward_fallback).
+        if (query.dtype not in _SUPPORTED_DTYPES or kv_cache.dtype != query.dtype
+                or sliding_window is not None or softcap is not None):
+            return self._forward_fallback(
+                query, key, value, kv_cache, meta, scale, sliding_window, softcap)
         self.write_cache(key, value, kv_cache, meta.slot_mapping)
         if query.stride(-1) != 1 or query.stride(1) != query.shape[2]:
             query = query.contiguous()
@@ -218,12 +224,21 @@ class CppPagedAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: CppAttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """Dtypes the kernel lacks (fp16): the torch backend, its metadata built once a step."""
+        """Dtypes the kernel lacks (fp16), sliding-window and softcapped layers: the torch
+        backend, its metadata built once a step (shared by every such layer of the step).
+
+        A windowed decode would fit the kernel as it is (its item's kv_begin = seq_len - W);
+        a windowed prefill tile would need a per-query lower bound on the keys (each query
+        row of a tile starts its window at a different key), and softcapping a tanh on the
+        scores before the online softmax."""
         if self._fallback_backend is None:
             from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
 
             self._fallback_backend = TorchPagedAttentionBackend(device=self.device)
         if meta.fallback is None:
             meta.fallback = self._fallback_backend.build_metadata(meta.common)
-        return self._fallback_backend.forward(query, key, value, kv_cache, meta.fallback, scale)
+        return self._fallback_backend.forward(
+            query, key, value, kv_cache, meta.fallback, scale, sliding_window, softcap)

@@ -29,6 +29,13 @@ rows are quantized on write, gathered rows are dequantized into a reused workspa
 SDPA, and the step's new tokens are used in their dequantized form too, so a token attends
 identically whether it was read back from the cache or computed in this step.
 
+Sliding-window layers (`sliding_window=W`) use the same gathers with a banded mask (key j is
+visible to the query at position p iff p - W < j <= p); the banded chunks are built on the
+first windowed layer of a step and kept in the metadata for the step's other windowed layers
+(one set per distinct window). Logit softcapping (Gemma 2) cannot go through SDPA, so a
+softcapped layer computes its scores eagerly (scores, tanh cap, mask, float32 softmax), as
+transformers' eager attention does.
+
 Padding never reads unwritten cache memory: padded query rows repeat the request's last row
 and padded K/V positions repeat its last position (clamped), so uninitialised cache slots
 (possibly NaN, which would leak through 0 * NaN) are never touched; the mask hides them.
@@ -36,7 +43,7 @@ and padded K/V positions repeat its last position (clamped), so uninitialised ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -77,6 +84,11 @@ class TorchAttentionMetadata(AttentionMetadata):
     # (num_tokens,) int64 flat slot of each new token.
     slot_mapping: torch.Tensor
     chunks: list[AttnChunk]
+    # The step and its request groups, for the windowed chunks built on first use.
+    common: CommonAttentionMetadata | None = None
+    groups: list[list[int]] = field(default_factory=list)
+    # sliding window -> chunks with the banded mask (same groups as `chunks`).
+    windowed: dict[int, list[AttnChunk]] = field(default_factory=dict)
 
 
 class TorchPagedAttentionBackend(AttentionBackend):
@@ -131,7 +143,21 @@ class TorchPagedAttentionBackend(AttentionBackend):
             num_tokens=common.num_tokens,
             slot_mapping=common.slot_mapping.to(self.device, torch.int64),
             chunks=chunks,
+            common=common,
+            groups=groups,
         )
+
+    def _windowed_chunks(self, meta: TorchAttentionMetadata, window: int) -> list[AttnChunk]:
+        """The step's chunks with a banded mask for `window`, built once a step per window."""
+        chunks = meta.windowed.get(window)
+        if chunks is None:
+            assert meta.common is not None
+            q_starts = [0, *accumulate(meta.common.query_lens_list)]
+            chunks = [
+                _build_chunk(meta.common, g, q_starts, self.device, window) for g in meta.groups
+            ]
+            meta.windowed[window] = chunks
+        return chunks
 
     def _group(self, ids: list[int], q_lens: list[int], s_lens: list[int]) -> list[list[int]]:
         """Cut `ids` (sorted by context length, longest first) into budgeted chunks."""
@@ -165,6 +191,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta, TorchAttentionMetadata)
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
@@ -180,12 +208,12 @@ class TorchPagedAttentionBackend(AttentionBackend):
             cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
             cache[0].index_copy_(0, meta.slot_mapping, key)
             cache[1].index_copy_(0, meta.slot_mapping, value)
-        chunks = meta.chunks
+        chunks = meta.chunks if sliding_window is None else self._windowed_chunks(meta, sliding_window)
         if len(chunks) == 1 and chunks[0].q_range == (0, meta.num_tokens):
-            return self._attend(chunks[0], query, key, value, cache, scale)
+            return self._attend(chunks[0], query, key, value, cache, scale, softcap)
         out = torch.empty_like(query)
         for c in chunks:
-            o = self._attend(c, query, key, value, cache, scale)
+            o = self._attend(c, query, key, value, cache, scale, softcap)
             if c.q_range is not None:
                 out[c.q_range[0] : c.q_range[1]] = o
             elif c.out_src is None:
@@ -235,6 +263,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         cache: torch.Tensor,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """SDPA for one chunk; returns the padded output (n * max_q, H, D)."""
         n, max_q, max_ctx = c.num_seqs, c.max_q, c.max_ctx
@@ -250,6 +279,10 @@ class TorchPagedAttentionBackend(AttentionBackend):
         # (n, KVH, max_ctx, D) views over the (n * max_ctx, KVH, D) gather.
         k = k.view(n, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
         v = v.view(n, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
+        if softcap is not None:
+            q = q.view(n, max_q, num_heads, head_dim).transpose(1, 2)  # (n, H, max_q, D)
+            o = _softcapped_attention(q, k, v, c.mask, c.is_causal, scale, softcap)
+            return o.transpose(1, 2).reshape(n * max_q, num_heads, head_dim)
         if max_q == 1 and self.fold_gqa_decode:
             # Decode: head h uses KV head h // group, so (n, H, D) -> (n, KVH, group, D)
             # makes the group the "query length" and each K/V head is read once.
@@ -269,6 +302,27 @@ class TorchPagedAttentionBackend(AttentionBackend):
         return o.transpose(1, 2).reshape(n * max_q, num_heads, head_dim)
 
 
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    is_causal: bool, scale: float, softcap: float,
+) -> torch.Tensor:
+    """q (n, H, max_q, D), k/v (n, KVH, max_ctx, D), mask (n, 1, max_q, max_ctx), or None with
+    `is_causal` (max_q == max_ctx) or without (every key visible) -> (n, H, max_q, D), as
+    transformers' eager attention:
+    scores * scale, softcap * tanh(scores / softcap), masked, softmax in float32."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None and is_causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def _take_rows(x: torch.Tensor, c: AttnChunk) -> torch.Tensor:
     """The chunk's (padded) query rows of a flat (num_tokens, ...) tensor."""
     if c.q_range is not None:
@@ -277,9 +331,11 @@ def _take_rows(x: torch.Tensor, c: AttnChunk) -> torch.Tensor:
 
 
 def _build_chunk(
-    common: CommonAttentionMetadata, reqs: list[int], q_starts: list[int], device: torch.device
+    common: CommonAttentionMetadata, reqs: list[int], q_starts: list[int], device: torch.device,
+    window: int | None = None,
 ) -> AttnChunk:
-    """Index tensors of one chunk (built on CPU from host lists, moved once)."""
+    """Index tensors of one chunk (built on CPU from host lists, moved once); with `window`,
+    the mask is banded to the last `window` positions of each query."""
     ql = [common.query_lens_list[i] for i in reqs]
     sl = [common.seq_lens_list[i] for i in reqs]
     n, max_q, max_ctx = len(reqs), max(ql), max(sl)
@@ -303,12 +359,15 @@ def _build_chunk(
     if not fresh:
         kv_slots = _kv_slots(common, reqs, slt, max_ctx, device)
     # Fresh prefills of equal length: plain causal (top-left == bottom-right alignment).
-    is_causal = fresh and uniform and max_q > 1
-    if not uniform or (max_q > 1 and not is_causal):
+    is_causal = fresh and uniform and max_q > 1 and window is None
+    if not uniform or (max_q > 1 and not is_causal) or window is not None:
         # Key j is visible to query row t iff j <= (sl - ql) + t: its cached context plus the
         # new tokens up to itself. Padded rows/keys fall outside via the clamps.
         last_visible = (slt - qlt)[:, None] + t_clamped  # (n, max_q)
-        mask = torch.arange(max_ctx)[None, None, :] <= last_visible[:, :, None]
+        keys = torch.arange(max_ctx)[None, None, :]
+        mask = keys <= last_visible[:, :, None]
+        if window is not None:  # and j > p - window: the query itself always stays visible
+            mask &= keys > last_visible[:, :, None] - window
         mask = mask[:, None].to(device)  # (n, 1, max_q, max_ctx)
     return AttnChunk(
         n, max_q, max_ctx, q_range, q_rows, out_src, out_rows, kv_slots, mask, is_causal

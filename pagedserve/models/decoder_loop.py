@@ -124,11 +124,16 @@ def _why_not(model: nn.Module, backend: AttentionBackend, kv_dtype: torch.dtype,
     """Why the loop cannot run this model, or None when it can."""
     from pagedserve.attention.cpp_paged import CppPagedAttentionBackend
     from pagedserve.models.layers.linear import LinearBase
-    from pagedserve.models.llama import LlamaModel
+    from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
 
     inner = getattr(model, "model", None)
-    if not isinstance(inner, LlamaModel):
-        return f"{type(model).__name__} is not a Llama-family model"
+    # Exact types: a subclass (Qwen3's q/k norms, Granite's multipliers, a windowed or
+    # partial-rotary layer, ...) computes something the C++ loop does not.
+    if type(inner) is not LlamaModel or any(
+        type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention
+        or layer.self_attn.attn.sliding_window is not None for layer in inner.layers
+    ):
+        return f"{type(model).__name__} is not a Llama-family model as the loop computes it"
     if device.type != "cpu" or dtype not in _DTYPES:
         return f"it runs float32 / bfloat16 models on CPU, not {dtype} on {device.type}"
     if tp_size != 1:

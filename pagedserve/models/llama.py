@@ -31,7 +31,13 @@ from pagedserve.models.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from pagedserve.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagedserve.models.layers.rotary import (
+    RotaryEmbedding,
+    apply_rotary,
+    partial_rotary_factor,
+    rope_parameters,
+    rotary_dim_of,
+)
 
 # (hidden, cos, sin, meta) -> (hidden, residual): the decoder layers of one step.
 LayerStack = Callable[
@@ -46,7 +52,22 @@ def num_kv_heads_of(config: PretrainedConfig) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def layer_window(config: PretrainedConfig, layer_idx: int) -> int | None:
+    """Layer `layer_idx`'s sliding window, as transformers reads it: `config.sliding_window`
+    on a "sliding_attention" entry of `layer_types` (Qwen2/3 and SmolLM3 also require
+    `use_sliding_window`); None = full attention."""
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if not layer_types or layer_types[layer_idx] != "sliding_attention" or not window:
+        return None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
 class LlamaAttention(nn.Module):
+    """Subclasses change the softmax scale (`softmax_scale`), each layer's window
+    (`sliding_window`) or what happens to q and k between the projection and the cache
+    (`rotate`: Qwen3's q/k norms, Phi-3's partial rotary, SmolLM3's layers without RoPE)."""
+
     def __init__(
         self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool
     ) -> None:
@@ -60,9 +81,20 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, o_bias)
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx
+            self.num_heads, self.num_kv_heads, self.head_dim, self.softmax_scale(config),
+            layer_idx, sliding_window=self.sliding_window(config, layer_idx),
         )
         self.fused = fused_ops.resolve()  # rotary's C++ op or None, chosen once
+
+    def softmax_scale(self, config: PretrainedConfig) -> float:
+        return self.head_dim**-0.5
+
+    def sliding_window(self, config: PretrainedConfig, layer_idx: int) -> int | None:
+        return layer_window(config, layer_idx)
+
+    def rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q and k rotated in one pass over their (T, H + KVH, D) view."""
+        return apply_rotary(qk, cos, sin, self.fused)
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
@@ -71,8 +103,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)  # (T, (H + 2 KVH) * D), columns | q | k | v |
         num_tokens = qkv.shape[0]
         qk, v = qkv.split([(h + kvh) * d, kvh * d], dim=-1)
-        # q and k rotated in one pass over their (T, H + KVH, D) view.
-        qk = apply_rotary(qk.view(num_tokens, h + kvh, d), cos, sin, self.fused)
+        qk = self.rotate(qk.view(num_tokens, h + kvh, d), cos, sin)
         q, k = qk.split([h, kvh], dim=1)
         out = self.attn(q, k, v.view(num_tokens, kvh, d), meta)  # (T, H * D)
         return self.o_proj(out)
@@ -91,12 +122,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+
     def __init__(
         self, config: PretrainedConfig, layer_idx: int, biases: tuple[bool, bool, bool]
     ) -> None:
         super().__init__()
         qkv_bias, o_bias, mlp_bias = biases
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_bias)
+        self.self_attn = self.attention_cls(config, layer_idx, qkv_bias, o_bias)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -120,14 +153,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+
     def __init__(self, config: PretrainedConfig, biases: tuple[bool, bool, bool]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, biases) for i in range(config.num_hidden_layers)
+            self.layer_cls(config, i, biases) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+        self.rotary_emb = RotaryEmbedding(config, rotary_dim_of(config))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -135,11 +170,14 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """`layer_stack`: runs every decoder layer instead of `run_layers` (the C++ decoder
         loop, models/decoder_loop.py)."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # once per step, shared by all layers
         hidden, residual = (layer_stack or self.run_layers)(hidden, cos, sin, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def run_layers(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
@@ -161,11 +199,17 @@ class LlamaForCausalLM(nn.Module):
         (".up_proj.", ".gate_up_proj.", 1),
     ]
 
+    model_cls: ClassVar[type[LlamaModel]] = LlamaModel
+    # What check_config lets through: RoPE on part of each head (the attention class must
+    # rotate only that part), and "sliding_attention" layers (served by `layer_window`).
+    partial_rotary: ClassVar[bool] = False
+    sliding_windows: ClassVar[bool] = False
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.check_config(config)
         self.config = config
-        self.model = LlamaModel(config, self.biases(config))
+        self.model = self.model_cls(config, self.biases(config))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)
@@ -183,8 +227,14 @@ class LlamaForCausalLM(nn.Module):
         if act != "silu":
             raise ValueError(f"unsupported hidden_act={act!r} for {cls.__name__} (only 'silu')")
         rope_parameters(config)
+        partial = partial_rotary_factor(config)
+        if partial != 1.0 and not cls.partial_rotary:
+            raise ValueError(
+                f"unsupported partial_rotary_factor={partial} for {cls.__name__} "
+                "(only full rotary is supported)"
+            )
         layer_types = getattr(config, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types):
+        if not cls.sliding_windows and any(t != "full_attention" for t in layer_types):
             raise ValueError(
                 f"unsupported layer_types={sorted(set(layer_types))} (only full attention)"
             )

@@ -24,8 +24,11 @@ from pagedserve.compilation.attention_op import MissedGraph
 
 class Attention(nn.Module):
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
+        sliding_window: int | None = None, softcap: float | None = None,
     ) -> None:
+        """`sliding_window`: this layer attends to the last `sliding_window` positions only;
+        `softcap`: attention scores capped to softcap * tanh(scores / softcap) (Gemma 2)."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(
@@ -36,6 +39,8 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.softcap = softcap
         self.kv_cache: torch.Tensor | None = None
 
     def forward(
@@ -47,6 +52,11 @@ class Attention(nn.Module):
         step's metadata then reaches the backend through the opaque op's step context, so the
         graph never depends on it."""
         if torch.compiler.is_compiling():
+            if self.sliding_window is not None or self.softcap is not None:
+                # The opaque op carries no window / softcap: the compile fails and the
+                # runner keeps the eager decode (build_compiled_decode).
+                raise NotImplementedError(
+                    f"layer {self.layer_idx}: compiled decode has no sliding window / softcap")
             out = torch.ops.pagedserve_compile.attention(q, k, v, self.layer_idx, self.scale)
             return out.reshape(out.shape[0], self.num_heads * self.head_dim)
         if meta is None:
@@ -55,8 +65,12 @@ class Attention(nn.Module):
             raise RuntimeError(
                 f"layer {self.layer_idx}: kv_cache was never assigned by the model runner"
             )
-        out = meta.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        out = meta.backend.forward(
+            q, k, v, self.kv_cache, meta, self.scale, self.sliding_window, self.softcap)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+        window = f", sliding_window={self.sliding_window}" if self.sliding_window else ""
+        cap = f", softcap={self.softcap}" if self.softcap else ""
+        return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}{window}{cap}")

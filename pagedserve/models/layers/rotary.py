@@ -33,18 +33,28 @@ def rope_parameters(config: PretrainedConfig) -> dict:
             f"unsupported rope_parameters.rope_type={rope_type!r} "
             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1.0):
-        raise ValueError(
-            f"unsupported partial_rotary_factor={partial} (only full rotary is supported)"
-        )
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
     params["rope_type"] = rope_type
     return params
 
 
+def partial_rotary_factor(config: PretrainedConfig) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return 1.0 if partial is None else float(partial)
+
+
+def rotary_dim_of(config: PretrainedConfig) -> int:
+    """The leading dims of each head that RoPE rotates: head_dim * partial_rotary_factor
+    (all of them except in Phi-3-style partial rotary), as transformers computes it."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(head_dim * partial_rotary_factor(config))
+
+
 class RotaryEmbedding(nn.Module):
+    """`head_dim` is the rotated width (`rotary_dim_of`); cos/sin cover head_dim // 2."""
+
     def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
         super().__init__()
         params = rope_parameters(config)
