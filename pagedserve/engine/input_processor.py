@@ -165,7 +165,10 @@ class InputProcessor:
         refused by their length first. `options`: those of `chat_utils.render_chat`
         (chat_template, tools, add_generation_prompt, continue_final_message, ...).
         Raises ChatTemplateError / InputError."""
-        self.check_chars(sum(_num_chars(m.get("content")) for m in messages), "messages")
+        # Every text the template may render counts: contents, names, tool calls' arguments,
+        # and the tools' own descriptions and schemas (issue 33.7: those escaped the check).
+        text = [{k: v for k, v in m.items() if k != "role"} for m in messages]
+        self.check_chars(_num_chars(text, keys=False) + _num_chars(options.get("tools")), "messages")
         tokenizer = self.require_tokenizer("messages")
         return chat_utils.render_chat(tokenizer, messages, **options)
 
@@ -256,9 +259,20 @@ class InputProcessor:
         return sequences
 
 
-def _num_chars(content: Any) -> int:
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):  # OpenAI's content parts
-        return sum(len(p.get("text", "")) if isinstance(p, dict) else len(str(p)) for p in content)
-    return 0
+def _num_chars(value: Any, keys: bool = True) -> int:
+    """The characters of every string in `value` (list items, dict values and, with `keys`,
+    dict keys: a schema's property names; nested); iterative, so a deeply nested body cannot
+    exhaust the stack."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            if keys:
+                stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return total

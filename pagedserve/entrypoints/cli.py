@@ -44,6 +44,11 @@ def _json_object(value: str) -> dict[str, Any]:
     return parsed
 
 
+# uvicorn's connection settings for `serve` (launch.make_server passes them on).
+DEFAULT_MAX_CONNECTIONS = 512
+DEFAULT_KEEP_ALIVE_S = 5.0
+
+
 def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     from pagedserve.tool_parsers import TOOL_PARSERS
 
@@ -61,6 +66,14 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
                             "(default: $VLLM_API_KEY, else $PAGEDSERVE_API_KEY)")
     group.add_argument("--public-metrics", action="store_true",
                        help="serve /metrics without the API key (every other route that does work needs it)")
+    group.add_argument("--max-request-body-bytes", type=int, default=None, metavar="BYTES",
+                       help="a request body past this is a 413 before it is read whole (default: room for the "
+                            "longest prompt max_model_len allows, as JSON, and at least 32 MiB)")
+    group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                       help="concurrent connections uvicorn serves; past it new ones get a 503 "
+                            f"(default {DEFAULT_MAX_CONNECTIONS})")
+    group.add_argument("--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_S, metavar="SECONDS",
+                       help=f"close an idle keep-alive connection after this long (default {DEFAULT_KEEP_ALIVE_S:g})")
     group.add_argument("--allowed-origins", type=json.loads, default=["*"],
                        help='CORS: a JSON list of origins allowed to call the server (default ["*"])')
     group.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: a JSON list of methods")

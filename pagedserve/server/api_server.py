@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedserve import __version__
 from pagedserve.server.docs import install_docs
 from pagedserve.server.errors import APIError, error_body, install_error_handlers
+from pagedserve.server.limits import BodyLimit, default_body_limit
 from pagedserve.server.lora_admin import (
     LoadLoRARequest,
     UnloadLoRARequest,
@@ -305,6 +306,8 @@ class HTTPOptions:
     docs: bool = True  # /docs, /redoc, /openapi.json
     log_requests: bool = False
     public_metrics: bool = False  # /metrics without the API key (for a scraper that has none)
+    # Request bodies past this many bytes are a 413 (None: limits.default_body_limit).
+    max_request_body_bytes: int | None = None
 
     @classmethod
     def from_cli_args(cls, args: Any) -> HTTPOptions:
@@ -318,6 +321,7 @@ class HTTPOptions:
             docs=not getattr(args, "disable_fastapi_docs", False),
             log_requests=getattr(args, "enable_log_requests", False),
             public_metrics=getattr(args, "public_metrics", False),
+            max_request_body_bytes=getattr(args, "max_request_body_bytes", None),
         )
 
 
@@ -352,6 +356,8 @@ def build_app(ctx: ServerContext, options: HTTPOptions | None = None) -> FastAPI
         app.middleware("http")(_request_middleware(options))
     app.state.server_load = ServerLoad()
     app.add_middleware(_LoadTracking, load=app.state.server_load)
+    body_limit = options.max_request_body_bytes or default_body_limit(ctx.processor.char_limit)
+    app.add_middleware(BodyLimit, max_bytes=body_limit)  # added last: the outermost
     install_error_handlers(app)
     app.include_router(v1)
     app.include_router(keyed)

@@ -336,3 +336,86 @@ def test_a_slow_compile_does_not_fail_the_others() -> None:
     # It finished into the cache meanwhile: asked again, it is there at once.
     time.sleep(0.6)
     assert manager.compile(StructuredOutputsParams(regex="slow")) is not None
+
+
+# ---- 7. limits on bodies, text fields and log volume --------------------------------------------
+
+
+def test_declared_huge_body_is_413_before_it_is_read(server: LiveServer) -> None:
+    """#33.7: a 300 MB Content-Length is refused at once (it used to be read whole: 13 s, +392 MB)."""
+    import socket
+
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 300000000\r\n\r\n{\"prompt\": \"")
+        reply = b""
+        while b"}}" not in reply:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 413") and "max-request-body-bytes" in reply, reply
+
+
+def test_chunked_body_past_the_limit_is_413(server: LiveServer) -> None:
+    """#33.7: a body with no declared length is counted as it arrives and stopped at the limit."""
+    from pagedserve.server.limits import default_body_limit
+
+    limit = default_body_limit(server.ctx.processor.char_limit)
+    sent = [0]
+
+    def body():
+        yield b'{"prompt": "'
+        while sent[0] <= limit + (4 << 20):
+            sent[0] += 1 << 20
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    try:
+        resp = httpx.post(server.v1 + "/completions", content=body(), timeout=60,
+                          headers={"content-type": "application/json"})
+    except (httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadError):
+        return  # the server stopped reading and closed: refused before the end, as wanted
+    assert resp.status_code == 413, resp.text[:300]
+
+
+def test_tools_and_names_count_in_the_character_check(server: LiveServer) -> None:
+    """#33.7: text inside `tools` and message names escaped the character pre-check (1.6M
+    tokens were tokenized before the 400); now they count, and the 400 comes first."""
+    big = "x" * (server.ctx.processor.char_limit + 10)
+    tool = {"type": "function", "function": {"name": "f", "description": big, "parameters": {"type": "object"}}}
+    for body in ({"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "none"},
+                 {"messages": [{"role": "user", "content": "hi", "name": big}]}):
+        resp = _post(server, "/v1/chat/completions", {"model": TEST_MODEL, "max_tokens": 2, **body})
+        assert resp.status_code == 400 and "characters" in resp.json()["error"]["message"], resp.text[:300]
+
+
+def test_repeated_log_errors_are_collapsed() -> None:
+    """#33.7: 1,000 identical errors in a burst log once (then one summary a window)."""
+    import logging
+
+    from pagedserve.server.limits import RepeatFilter
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("test.repeat")
+    log.propagate = False
+    handler = Keep()
+    handler.addFilter(RepeatFilter(window_s=0.3))
+    log.addHandler(handler)
+    try:
+        for _ in range(1000):
+            log.error("accept failed: [Errno 24] Too many open files")
+        log.error("another error")
+        time.sleep(0.35)
+        log.error("accept failed: [Errno 24] Too many open files")
+    finally:
+        log.removeHandler(handler)
+    assert records[:2] == ["accept failed: [Errno 24] Too many open files", "another error"]
+    assert len(records) == 3 and "999 identical records" in records[2]
