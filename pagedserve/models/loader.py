@@ -363,6 +363,11 @@ def load_weights(
     expected = {(n, s) for n, p in params.items() for s in getattr(p, "shard_ids", (None,))}
     mapping = getattr(model, "stacked_params_mapping", [])
     rename = getattr(model, "map_checkpoint_name", None)
+    # A checkpoint that stores projections fused (Phi-3's qkv_proj / gate_up_proj) is cut
+    # into the per-projection tensors the stacked mapping routes to their shards.
+    split = getattr(model, "split_checkpoint_tensor", None)
+    if split is not None:
+        weights = (part for name, tensor in weights for part in split(name, tensor))
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     quantizer = _QuantizeWhenLoaded(model, params)
     loaded: set[tuple[str, object]] = set()

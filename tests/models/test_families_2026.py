@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from test_models import PagedRunner, prompts_for, save_random_model
-from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    GraniteConfig,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen3Config,
+    SmolLM3Config,
+)
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.models.loader import load_model
@@ -32,11 +39,28 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+# Special ids inside the tiny vocabulary (some configs default to their real model's).
+SMALL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 CONFIGS: dict[str, PretrainedConfig] = {
     "qwen3": Qwen3Config(**TINY | {"head_dim": 32}),
     "qwen3_window": Qwen3Config(
         **TINY | {"num_hidden_layers": 3}, use_sliding_window=True, sliding_window=8,
         max_window_layers=1,
+    ),
+    "phi3_partial_rotary": Phi3Config(
+        **TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+        **SMALL_IDS,
+    ),
+    "phi3_window": Phi3Config(**TINY, sliding_window=8, **SMALL_IDS),
+    "granite": GraniteConfig(
+        **TINY, embedding_multiplier=3.0, attention_multiplier=0.1, residual_multiplier=0.5,
+        logits_scaling=2.5,
+    ),
+    "smollm3": SmolLM3Config(
+        **TINY | {"num_hidden_layers": 4}, no_rope_layer_interval=2, **SMALL_IDS),
+    "smollm3_window": SmolLM3Config(
+        **TINY | {"num_hidden_layers": 4}, no_rope_layer_interval=2, use_sliding_window=True,
+        sliding_window=8, **SMALL_IDS,
     ),
 }
 NEW_TOKENS = 24

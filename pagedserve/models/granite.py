@@ -1,0 +1,72 @@
+"""IBM Granite (3.x dense): Llama with four scalar multipliers from the config.
+
+    embeddings          embed_tokens(ids) * embedding_multiplier
+    attention scores    q.k * attention_multiplier            (instead of head_dim ** -0.5)
+    each residual add   residual + sublayer(x) * residual_multiplier
+    logits              lm_head(h) / logits_scaling
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+)
+
+
+class GraniteAttention(LlamaAttention):
+    def softmax_scale(self, config: PretrainedConfig) -> float:
+        return float(config.attention_multiplier)
+
+
+class GraniteDecoderLayer(LlamaDecoderLayer):
+    attention_cls = GraniteAttention
+
+    def __init__(
+        self, config: PretrainedConfig, layer_idx: int, biases: tuple[bool, bool, bool]
+    ) -> None:
+        super().__init__(config, layer_idx, biases)
+        self.residual_multiplier = float(config.residual_multiplier)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # As LlamaDecoderLayer, each sublayer's output scaled before the norm adds it to
+        # the skip stream (the MLP's by the next layer's input norm or the final norm).
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, meta) * self.residual_multiplier
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden) * self.residual_multiplier, residual
+
+
+class GraniteModel(LlamaModel):
+    layer_cls = GraniteDecoderLayer
+
+    def __init__(self, config: PretrainedConfig, biases: tuple[bool, bool, bool]) -> None:
+        super().__init__(config, biases)
+        self.embedding_multiplier = float(config.embedding_multiplier)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embedding_multiplier
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    model_cls = GraniteModel
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits / self.config.logits_scaling
