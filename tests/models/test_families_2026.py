@@ -19,6 +19,8 @@ import torch
 from test_models import PagedRunner, prompts_for, save_random_model
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GraniteConfig,
     Phi3Config,
     PretrainedConfig,
@@ -62,6 +64,20 @@ CONFIGS: dict[str, PretrainedConfig] = {
         **TINY | {"num_hidden_layers": 4}, no_rope_layer_interval=2, use_sliding_window=True,
         sliding_window=8, **SMALL_IDS,
     ),
+    # Softcaps small enough to bite on random weights; layers alternate window 8 / full.
+    "gemma2": Gemma2Config(
+        **TINY | {"num_hidden_layers": 3, "head_dim": 32}, query_pre_attn_scalar=24,
+        sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **SMALL_IDS,
+    ),
+    "gemma3": Gemma3TextConfig(
+        **TINY | {"num_hidden_layers": 4, "head_dim": 32}, query_pre_attn_scalar=24,
+        sliding_window=8, **SMALL_IDS,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        },
+    ),
 }
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
@@ -103,8 +119,9 @@ def hf_eager_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_registered() -> None:
-    assert {type(c).__name__.replace("Config", "ForCausalLM") for c in CONFIGS.values()} <= set(
-        supported_architectures())
+    archs = {type(c).__name__.replace("TextConfig", "Config").replace("Config", "ForCausalLM")
+             for c in CONFIGS.values()}
+    assert archs <= set(supported_architectures())
 
 
 def test_prefill_and_incremental_match_hf(checkpoint: Path) -> None:
