@@ -39,7 +39,14 @@ logger = logging.getLogger(__name__)
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# llama.cpp's model sizes whose attention scale is 1/sqrt(hidden / heads) rather than
+# 1/sqrt(head_dim): the 27B models, told apart by block count (llama-model.cpp, LLM_TYPE_27B).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # The types `keep_quantized` hands over as raw blocks (a native kernel serves them); every
 # other quantized type is dequantized at load.
@@ -136,9 +143,71 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
     values = dict(_metadata(path)["config"])
     values.pop("_model_name_or_path", None)
     model_type = values.pop("model_type")
+    reader = _reader(path)
+    arch = _architecture(reader, path)
+    values.update(_derived_config(arch, values, lambda key: _field(reader, f"{arch}.{key}")))
     config = AutoConfig.for_model(model_type, **values)
-    config.architectures = [ARCHITECTURES[model_type]]
+    config.architectures = [ARCHITECTURES[arch]]
     return config
+
+
+def _field(reader: Any, key: str) -> Any:
+    """A scalar metadata value, or None when the file does not have the key."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.parts[field.data[0]]
+    return value.tolist()[0] if len(value) == 1 else bytes(value).decode()
+
+
+def _derived_config(arch: str, values: dict[str, Any], meta: Any) -> dict[str, Any]:
+    """Config values transformers' GGUF mapping leaves out (or leaves at the HF defaults of
+    the full-size model), read or derived as llama.cpp's llama-model.cpp does for `arch`.
+    `meta(key)` is the file's `<arch>.<key>` value or None."""
+    derived: dict[str, Any] = {}
+    head_dim = meta("attention.key_length")
+    if head_dim is not None:  # Qwen3's head_dim is not hidden / heads (0.6B: 128 vs 64)
+        derived["head_dim"] = head_dim
+    head_dim = head_dim or values["hidden_size"] // values["num_attention_heads"]
+    if arch == "phi3":
+        rot = meta("rope.dimension_count")
+        if rot is not None and rot != head_dim:  # Phi-4-mini rotates 3/4 of each head
+            derived["rope_parameters"] = {"rope_type": "default", "rope_theta": values.get(
+                "rope_theta", 10000.0), "partial_rotary_factor": rot / head_dim}
+        if meta("attention.sliding_window"):  # every layer windowed, as llama.cpp's phi3
+            derived["sliding_window"] = meta("attention.sliding_window")
+    if arch in ("gemma2", "gemma3"):
+        # The file has no query_pre_attn_scalar: llama.cpp scales by 1/sqrt(head_dim),
+        # 1/sqrt(hidden / heads) for the 27B models.
+        big = values["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+        derived["query_pre_attn_scalar"] = (
+            values["hidden_size"] // values["num_attention_heads"] if big else head_dim)
+    if arch == "gemma2":
+        # llama.cpp: swa pattern 2 (even layers windowed, transformers' default layer_types);
+        # the softcaps from the file when it has them, else 50 / 30 (both defaults agree).
+        for key, name in (("attn_logit_softcapping", "attn_logit_softcapping"),
+                          ("final_logit_softcapping", "final_logit_softcapping")):
+            if meta(key) is not None:
+                derived[name] = float(meta(key))
+    if arch == "gemma3":
+        # llama.cpp (LLM_ARCH_GEMMA3): set_swa_pattern(6), i.e. 5 windowed layers : 1 full,
+        # and rope_freq_base_train_swa = 10000 for the windowed layers (a newer file may say
+        # rope.freq_base_swa); the file's rope.freq_base (1e6) and rope.scaling.factor
+        # (linear, 4B and up) are the full layers'. Gemma-3 files carry neither the pattern
+        # nor the local base, so they are written out here.
+        layers = values["num_hidden_layers"]
+        derived["layer_types"] = [
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+        full: dict[str, Any] = {"rope_type": "default", "rope_theta": values.get("rope_theta", 1e6)}
+        factor = meta("rope.scaling.factor")
+        if factor is not None and factor != 1.0:
+            full = full | {"rope_type": "linear", "factor": float(factor)}
+        derived["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": float(meta("rope.freq_base_swa") or 10000.0)},
+            "full_attention": full,
+        }
+    return derived
 
 
 def load_gguf_tokenizer(path: str | Path) -> Any:
