@@ -218,6 +218,23 @@ def load_gguf_tokenizer(path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
+# Token texts llama.cpp treats as end of generation whatever the file's eos id is
+# (llama-vocab.cpp, `special_eog_ids`): Gemma's <end_of_turn>, ChatML's <|im_end|>, ...
+EOG_TOKEN_TEXTS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
+                   "<|endoftext|>", "<|return|>", "<|call|>", "<EOT>", "<end_of_utterance>")
+
+
+def gguf_eog_token_ids(path: str | Path) -> tuple[int, ...]:
+    """Ids of the vocabulary's end-of-generation tokens (EOG_TOKEN_TEXTS), in id order: a
+    GGUF file stores one eos id (Gemma 3: <eos>) and no generation_config.json, so an
+    instruct model's <end_of_turn> would otherwise never end a reply."""
+    field = _reader(Path(path)).fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        return ()
+    wanted = {t.encode() for t in EOG_TOKEN_TEXTS}
+    return tuple(i for i, part in enumerate(field.data) if bytes(field.parts[part]) in wanted)
+
+
 def gguf_weight_types(path: str | Path) -> set[str]:
     """The tensor types of the file's matrices (2-D tensors), e.g. {"Q4_1", "Q8_0"}."""
     reader = _reader(Path(path))

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig
 
 from pagedserve.config import ModelConfig
 from pagedserve.dtypes import serving_dtype
+from pagedserve.models.gguf import gguf_eog_token_ids
 from pagedserve.models.hub import is_gguf, looks_like_hub_id, resolve_hub_id, resolve_model_path
 from pagedserve.models.loader import check_gguf_quantization, checkpoint_dtype, load_hf_config
 
@@ -69,6 +70,8 @@ def resolve_model_source(model_cfg: ModelConfig, device: torch.device) -> ModelS
     generation = _generation_config(model_cfg.generation_config, path)
     eos = generation.get("eos_token_id")
     eos_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
+    if is_gguf(path) and model_cfg.generation_config == "auto":
+        eos_ids += gguf_eog_token_ids(path)  # what llama.cpp ends on (Gemma's <end_of_turn>)
     defaults = {ours: generation[theirs] for theirs, ours in _SAMPLING_FIELDS.items()
                 if generation.get(theirs) is not None}
     if defaults:

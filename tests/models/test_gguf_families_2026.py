@@ -50,9 +50,19 @@ CONFIGS: dict[str, PretrainedConfig] = {
 }
 
 
-def write_gguf_from_hf(folder: Path, arch: str, config: PretrainedConfig, out: Path) -> None:
-    """The folder's weights as llama.cpp's converter stores them, with its metadata keys."""
+END_OF_TURN = 50
+
+
+def write_gguf_from_hf(
+    folder: Path, arch: str, config: PretrainedConfig, out: Path, tokens: bool = False
+) -> None:
+    """The folder's weights as llama.cpp's converter stores them, with its metadata keys;
+    `tokens`: a token list too, <end_of_turn> at END_OF_TURN."""
     writer = gguf.GGUFWriter(str(out), arch)
+    if tokens:
+        vocab = [f"<tok{i}>" for i in range(config.vocab_size)]
+        vocab[:3], vocab[END_OF_TURN] = ["<pad>", "<bos>", "<eos>"], "<end_of_turn>"
+        writer.add_token_list(vocab)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -104,3 +114,18 @@ def test_gguf_matches_hf(tmp_path: Path, arch: str) -> None:
     want = hf_eager_logits(tmp_path / "hf", prompts)
     for got, exp in zip(PagedRunner(model, 3).step(list(enumerate(prompts))), want, strict=True):
         torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4)
+
+
+def test_gguf_end_of_turn_ends_generation(tmp_path: Path) -> None:
+    """A Gemma 3 file names <eos> as its eos id; <end_of_turn> (what an instruct model ends a
+    reply with) must end generation too, as llama.cpp's end-of-generation list has it."""
+    from pagedserve.config import ModelConfig
+    from pagedserve.models.source import eos_token_ids, resolve_model_source
+
+    config = CONFIGS["gemma3"]
+    save_random_model(config, tmp_path / "hf")
+    path = tmp_path / "gemma3.gguf"
+    write_gguf_from_hf(tmp_path / "hf", "gemma3", config, path, tokens=True)
+    source = resolve_model_source(ModelConfig(str(path), skip_tokenizer_init=True), torch.device("cpu"))
+    assert source.generation_eos_ids == (END_OF_TURN,)
+    assert eos_token_ids(source.hf_config, None, source.generation_eos_ids) == [2, END_OF_TURN]
