@@ -58,6 +58,11 @@ class AdapterResidency(Protocol):
         """Where a resident adapter's weights are (handed to the runner in `SchedulerOutput`)."""
         ...
 
+    @property
+    def num_device_blocks(self) -> int:
+        """KV blocks holding resident adapters (statistics report them apart from requests' KV)."""
+        ...
+
 
 class KVManager(Protocol):
     """Per-sequence KV slots: the paged manager and the contiguous baselines.

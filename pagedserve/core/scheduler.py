@@ -78,7 +78,7 @@ class SchedulerStats:
     num_preemptions_total: int
     kv_blocks_used: int
     kv_blocks_total: int
-    kv_usage: float
+    kv_usage: float  # requests' KV blocks / all blocks (adapter pages excluded)
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_swapped: int = 0
@@ -88,6 +88,7 @@ class SchedulerStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    lora_blocks_used: int = 0  # blocks holding resident LoRA adapters (not in kv_blocks_used)
 
 
 def _arrival_order(request: Request) -> tuple[float, int]:
@@ -518,13 +519,18 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         kv = self.kv
+        # Adapter pages share the block pool (S-LoRA) but are not requests' KV: vLLM's
+        # kv_cache_usage_perc means the latter, and it returns to 0 once requests are done.
+        adapter_blocks = self.lora.num_device_blocks if self.lora is not None else 0
+        request_blocks = kv.num_used_blocks - adapter_blocks
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preemptions_total=self.num_preemptions_total,
-            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_used=request_blocks,
             kv_blocks_total=kv.num_blocks,
-            kv_usage=kv.usage,
+            kv_usage=kv.usage if not adapter_blocks else request_blocks / kv.num_blocks,
+            lora_blocks_used=adapter_blocks,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_swapped=len(self.swapped),

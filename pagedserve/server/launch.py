@@ -99,6 +99,20 @@ def api_keys(flag: list[str] | None) -> list[str] | None:
     return None
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def open_cors_warning(host: str, has_key: bool, allowed_origins: list[str]) -> str | None:
+    """The start-up warning for vLLM's default CORS `*` on a server anyone can reach and no
+    key guards: any web page a user of that network opens can drive it. None when safe."""
+    if has_key or host in LOOPBACK_HOSTS or host.startswith("127.") or "*" not in allowed_origins:
+        return None
+    return (f"SECURITY: serving on {host} with no --api-key and CORS allowed origins '*': any web page opened "
+            "by anyone who can reach this address can call every route of this server (generate, load and "
+            "unload adapters). Set --api-key, or --allowed-origins to the pages that may call it, or bind "
+            "--host 127.0.0.1.")
+
+
 def usage_text(host: str, port: int, model: str, has_key: bool) -> str:
     base = f"http://{host}:{port}"
     auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if has_key else ""
@@ -165,6 +179,10 @@ def serve(args: argparse.Namespace) -> int:
     server = make_server(app, ctx.engine, args.host, args.port, uvicorn_level, args.shutdown_timeout,
                          args.max_connections, args.keep_alive_timeout)
     print(usage_text(args.host, args.port, ctx.model_names[0], ctx.api_key is not None), file=sys.stderr, flush=True)
+    warning = open_cors_warning(args.host, ctx.api_key is not None, list(getattr(args, "allowed_origins", ["*"])))
+    if warning is not None:
+        logger.warning(warning)
+        print(f"pagedserve: {warning}", file=sys.stderr, flush=True)
     _keep_calm_on_signals()
     server.run()
     if not server.started:

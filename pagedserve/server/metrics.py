@@ -42,8 +42,10 @@ class ServerMetrics(EngineObserver):
 
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = 100%).")
-        self.blocks_used = gauge("pagedserve:kv_blocks_used", "KV cache blocks in use.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV cache usage by requests (1 = 100%); adapter pages "
+                                                          "are pagedserve:lora_kv_blocks_used.")
+        self.blocks_used = gauge("pagedserve:kv_blocks_used", "KV cache blocks requests hold.")
+        self.lora_blocks = gauge("pagedserve:lora_kv_blocks_used", "KV cache blocks holding resident LoRA adapters.")
         self.blocks_total = gauge("pagedserve:kv_blocks_total", "KV cache blocks in the pool.")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions (recompute).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests that started.")
@@ -132,5 +134,6 @@ class ServerMetrics(EngineObserver):
         self.waiting.labels(**self._label).set(num_waiting)
         self.kv_usage.labels(**self._label).set(sched.kv_usage)
         self.blocks_used.labels(**self._label).set(sched.kv_blocks_used)
+        self.lora_blocks.labels(**self._label).set(sched.lora_blocks_used)
         self.blocks_total.labels(**self._label).set(sched.kv_blocks_total)
         return generate_latest(self.registry)

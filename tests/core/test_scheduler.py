@@ -194,6 +194,8 @@ class FakeAdapters:
     def evict_idle(self) -> bool:
         return False
 
+    num_device_blocks = 0  # the scheduler's statistics read it
+
     def resident(self, lora_id: int) -> object:
         assert self.states[lora_id] is Residency.READY, "placement asked for an adapter not resident"
         return self.placements[lora_id]

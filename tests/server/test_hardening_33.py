@@ -419,3 +419,40 @@ def test_repeated_log_errors_are_collapsed() -> None:
         log.removeHandler(handler)
     assert records[:2] == ["accept failed: [Errno 24] Too many open files", "another error"]
     assert len(records) == 3 and "999 identical records" in records[2]
+
+
+# ---- 8. adapter pages apart from KV usage; the open-CORS warning --------------------------------
+
+
+def _metric(live: LiveServer, name: str) -> float:
+    for line in httpx.get(live.base_url + "/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_kv_usage_returns_to_zero_with_an_adapter_resident(server: LiveServer) -> None:
+    """#33.8: vllm:kv_cache_usage_perc counted adapter pages, so it never returned to 0 once
+    an adapter was resident; they are pagedserve:lora_kv_blocks_used now."""
+    _load(server, "resident")
+    try:
+        resp = _post(server, "/v1/completions", {"model": "resident", "prompt": "hi", "max_tokens": 3})
+        assert resp.status_code == 200, resp.text
+        server.wait_idle()
+        _post(server, "/v1/completions", {"model": TEST_MODEL, "prompt": "hi", "max_tokens": 1})  # a fresh snapshot
+        assert server.ctx.engine.call_in_engine_thread(lambda e: e.lora_manager.num_device_blocks) > 0
+        assert _metric(server, "vllm:kv_cache_usage_perc") == 0.0
+        assert _metric(server, "pagedserve:kv_blocks_used") == 0
+        assert _metric(server, "pagedserve:lora_kv_blocks_used") > 0
+    finally:
+        assert _unload(server, "resident").status_code == 200
+
+
+def test_open_cors_warning_only_where_it_matters() -> None:
+    """#33.8: no key, a non-loopback host and CORS `*`: a loud start-up warning."""
+    from pagedserve.server.launch import open_cors_warning
+
+    assert "SECURITY" in open_cors_warning("0.0.0.0", False, ["*"])
+    assert open_cors_warning("127.0.0.1", False, ["*"]) is None
+    assert open_cors_warning("0.0.0.0", True, ["*"]) is None
+    assert open_cors_warning("0.0.0.0", False, ["https://app.example"]) is None
