@@ -39,6 +39,12 @@ from pagedserve.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_
 from pagedserve.models.llama import LlamaForCausalLM, head_dim_of, layer_window, num_kv_heads_of
 
 
+def layer_type_of(config: PretrainedConfig, layer_idx: int) -> str:
+    """"sliding_attention" or "full_attention": which window and RoPE table the layer uses."""
+    layer_types = getattr(config, "layer_types", None)
+    return str(layer_types[layer_idx]) if layer_types else "full_attention"
+
+
 class GemmaRMSNorm(nn.Module):
     """x / rms(x) * (1 + weight), in float32, cast back at the end (Gemma's order; Llama
     casts before multiplying by the weight)."""
@@ -114,8 +120,6 @@ class Gemma2DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
         # Which RoPE table this layer reads (Gemma 3 has one per layer type).
-        self.layer_type = (getattr(config, "layer_types", None) or ["full_attention"] * (
-            layer_idx + 1))[layer_idx]
         self.self_attn = self.attention_cls(config, layer_idx)
         self.mlp = Gemma2MLP(config)
         eps = config.rms_norm_eps
@@ -142,6 +146,7 @@ class Gemma2Model(nn.Module):
         self.layers = nn.ModuleList(
             self.layer_cls(config, i) for i in range(config.num_hidden_layers)
         )
+        self.layer_types = [layer_type_of(config, i) for i in range(config.num_hidden_layers)]
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = self.rotary_tables(config)
         self.embed_scale = config.hidden_size**0.5
@@ -149,7 +154,7 @@ class Gemma2Model(nn.Module):
     def rotary_tables(self, config: PretrainedConfig) -> nn.ModuleDict:
         """Layer type -> its RoPE (Gemma 2: one table, whatever the layer type)."""
         rope = RotaryEmbedding(config, head_dim_of(config))
-        return nn.ModuleDict({t: rope for t in {layer.layer_type for layer in self.layers}})
+        return nn.ModuleDict({t: rope for t in set(self.layer_types)})
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -159,8 +164,8 @@ class Gemma2Model(nn.Module):
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         # (cos, sin) once per step per layer type, shared by that type's layers.
         tables = {t: rope(positions, hidden.dtype) for t, rope in self.rotary_emb.items()}
-        for layer in self.layers:
-            hidden = layer(hidden, *tables[layer.layer_type], meta)
+        for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
+            hidden = layer(hidden, *tables[layer_type], meta)
         return self.norm(hidden)
 
 

@@ -49,7 +49,7 @@ class Gemma3TextModel(Gemma2Model):
     def rotary_tables(self, config: PretrainedConfig) -> nn.ModuleDict:
         return nn.ModuleDict({
             t: RotaryEmbedding(rope_config(config, t), head_dim_of(config))
-            for t in sorted({layer.layer_type for layer in self.layers})
+            for t in sorted(set(self.layer_types))
         })
 
 

@@ -67,6 +67,12 @@ class GraniteModel(LlamaModel):
 class GraniteForCausalLM(LlamaForCausalLM):
     model_cls = GraniteModel
 
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config)
+        self.logits_scaling = float(config.logits_scaling)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
-        return None if logits is None else logits / self.config.logits_scaling
+        if logits is None or self.logits_scaling == 1.0:  # None: ranks > 0 of a TP group
+            return logits
+        return logits / self.logits_scaling
