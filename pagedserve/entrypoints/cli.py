@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from pagedserve.server.limits import DEFAULT_HEADER_TIMEOUT_S
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's flags, generated from `EngineArgs` (one setting, one field, one flag)."""
@@ -74,6 +76,9 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
                             f"(default {DEFAULT_MAX_CONNECTIONS})")
     group.add_argument("--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_S, metavar="SECONDS",
                        help=f"close an idle keep-alive connection after this long (default {DEFAULT_KEEP_ALIVE_S:g})")
+    group.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                       help="close a connection whose request line and headers have not arrived whole after "
+                            f"this long (default {DEFAULT_HEADER_TIMEOUT_S:g})")
     group.add_argument("--allowed-origins", type=json.loads, default=["*"],
                        help='CORS: a JSON list of origins allowed to call the server (default ["*"])')
     group.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: a JSON list of methods")

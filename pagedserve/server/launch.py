@@ -10,7 +10,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.server.limits import install_repeat_filter
+from pagedserve.server.limits import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    header_timeout_protocol,
+    install_repeat_filter,
+)
 
 if TYPE_CHECKING:
     from pagedserve.engine_args import EngineArgs
@@ -135,11 +139,13 @@ def _keep_calm_on_signals() -> None:
 
 
 def make_server(app: Any, engine: Any, host: str, port: int, log_level: str, grace_s: float,
-                max_connections: int | None = None, keep_alive_s: float = 5.0) -> Any:
+                max_connections: int | None = None, keep_alive_s: float = 5.0,
+                header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> Any:
     """A uvicorn server whose shutdown gives in-flight requests `grace_s`, then aborts them.
 
     `max_connections`: past it uvicorn answers 503 at once (at the descriptor limit /health
-    used to time out); `keep_alive_s`: an idle connection is closed after this long. Repeated
+    used to time out); `keep_alive_s`: an idle connection is closed after this long;
+    `header_timeout_s`: so is one whose request head has not arrived whole. Repeated
     identical log errors are collapsed (limits.RepeatFilter).
 
     Aborting through the engine (rather than letting uvicorn cancel the handlers) ends each
@@ -161,7 +167,8 @@ def make_server(app: Any, engine: Any, host: str, port: int, log_level: str, gra
 
     # uvicorn's own deadline is only the backstop behind ours.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(grace_s) + 5,
-                            limit_concurrency=max_connections, timeout_keep_alive=int(max(1, keep_alive_s)))
+                            limit_concurrency=max_connections, timeout_keep_alive=int(max(1, keep_alive_s)),
+                            http=header_timeout_protocol(header_timeout_s))
     install_repeat_filter()  # after uvicorn.Config: it installs uvicorn's log handlers
     return GracefulServer(config)
 
@@ -177,7 +184,7 @@ def serve(args: argparse.Namespace) -> int:
     app = build_app(ctx, HTTPOptions.from_cli_args(args))
     uvicorn_level = getattr(args, "uvicorn_log_level", None) or args.log_level
     server = make_server(app, ctx.engine, args.host, args.port, uvicorn_level, args.shutdown_timeout,
-                         args.max_connections, args.keep_alive_timeout)
+                         args.max_connections, args.keep_alive_timeout, args.header_timeout)
     print(usage_text(args.host, args.port, ctx.model_names[0], ctx.api_key is not None), file=sys.stderr, flush=True)
     warning = open_cors_warning(args.host, ctx.api_key is not None, list(getattr(args, "allowed_origins", ["*"])))
     if warning is not None:

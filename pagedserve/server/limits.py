@@ -3,8 +3,10 @@
     client --body--> BodyLimit (413 past --max-request-body-bytes, before the rest is read)
                  --> the app
 
-Connection count and idle / keep-alive timeouts are uvicorn's (launch.make_server passes
---max-connections and --keep-alive-timeout on); repeated identical log errors (one per
+Connection count and keep-alive timeouts are uvicorn's (launch.make_server passes
+--max-connections and --keep-alive-timeout on); uvicorn has no deadline for a request's
+headers, so a connection that sends nothing, or half a request line and headers, was held
+forever: `header_timeout_protocol` closes it after --header-timeout. Repeated identical log errors (one per
 refused socket at the file-descriptor limit filled the log by ~159 MB in 40 s) are
 collapsed by RepeatFilter.
 """
@@ -132,3 +134,58 @@ def install_repeat_filter(window_s: float = 10.0) -> RepeatFilter:
             if not any(isinstance(f, RepeatFilter) for f in handler.filters):
                 handler.addFilter(repeat)
     return repeat
+
+
+# A request's headers must arrive whole within this long of the connection opening (or of the
+# previous response on a keep-alive connection).
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+
+
+def header_timeout_protocol(timeout_s: float) -> type:
+    """uvicorn's h11 protocol with a deadline for each request's headers.
+
+    Armed when the connection opens and again after each response; disarmed once h11 has
+    parsed a whole request head (the client's state leaves IDLE). A body may then take as
+    long as the handler lets it (the body limit bounds its size).
+    """
+    import asyncio
+
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(timeout_s, self._expire)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _expire(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutH11Protocol
