@@ -111,6 +111,10 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="format of the model's tool calls (hermes: <tool_call>{...}</tool_call>, as "
                             "Qwen2.5 / Hermes / SmolLM; use a --chat-template that renders tools)")
+    group.add_argument("--strict-request-fields", action="store_true",
+                       help="answer 400 to a request field the server does not know (default: accept it and "
+                            "log it once; fields that would change the output and are not implemented are "
+                            "refused either way)")
     group.add_argument("--enable-server-load-tracking", action="store_true",
                        help="accepted for vLLM compatibility: GET /load always reports the requests in flight")
     group.add_argument("--max-queue-len", type=int, default=None,

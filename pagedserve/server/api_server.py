@@ -8,7 +8,8 @@ With --api-key every route that does work or tells something about the server ne
 (`Authorization: Bearer <key>` or `x-api-key: <key>`); --public-metrics opens /metrics alone
 to an unauthenticated scraper.
 
-Life of a request: pydantic parses the body (errors -> 400), the handler checks the model,
+Life of a request: pydantic parses the body (errors -> 400), its undeclared fields meet the
+field rule (request_fields.py: refused, accepted, or logged), the handler checks the model,
 the input processor (engine/input_processor.py, in the tokenize worker) tokenizes and
 validates each prompt into one engine request carrying the call's n / best_of, added as one
 group; then the handler streams SSE chunks or collects the group while polling for a client
@@ -31,6 +32,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from pagedserve import __version__
 from pagedserve.server.docs import install_docs
@@ -90,6 +92,13 @@ def get_ctx(request: Request) -> ServerContext:
     return request.app.state.ctx
 
 
+def checked_ctx(request: Request, body: BaseModel) -> ServerContext:
+    """The context, once the body's undeclared fields pass the field rule (request_fields.py)."""
+    ctx = get_ctx(request)
+    ctx.request_fields.check(body)
+    return ctx
+
+
 def check_api_key(request: Request) -> None:
     """The key as `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>`
     (Anthropic's); constant-time comparison so the key cannot be timed out."""
@@ -124,17 +133,17 @@ GENERATE_ERRORS = _errors(400, 401, 404, 500, 503)
 
 @v1.post("/completions", responses={**_streamed(CompletionResponse, CompletionResponse), **GENERATE_ERRORS})
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    return await create_completion(get_ctx(request), body, request)
+    return await create_completion(checked_ctx(request, body), body, request)
 
 
 @v1.post("/embeddings", responses={200: {"model": EmbeddingResponse}, **GENERATE_ERRORS})
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    return await create_embedding(get_ctx(request), body, request)
+    return await create_embedding(checked_ctx(request, body), body, request)
 
 
 @v1.post("/chat/completions", responses={**_streamed(ChatCompletionResponse, ChatCompletionChunk), **GENERATE_ERRORS})
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    return await create_chat_completion(get_ctx(request), body, request)
+    return await create_chat_completion(checked_ctx(request, body), body, request)
 
 
 @v1.get("/models", responses=_errors(401))
@@ -169,12 +178,12 @@ async def model_card(model_id: str, request: Request) -> JSONResponse:
 
 @v1.post("/load_lora_adapter", responses=_errors(400, 401, 404, 503))
 async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> JSONResponse:
-    return JSONResponse(await load_adapter(get_ctx(request), body))
+    return JSONResponse(await load_adapter(checked_ctx(request, body), body))
 
 
 @v1.post("/unload_lora_adapter", responses=_errors(400, 401, 404, 503))
 async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> JSONResponse:
-    return JSONResponse(await unload_adapter(get_ctx(request), body))
+    return JSONResponse(await unload_adapter(checked_ctx(request, body), body))
 
 
 @root.get("/health", response_class=Response,
@@ -209,7 +218,7 @@ async def metrics(request: Request) -> Response:
 
 @keyed.post("/tokenize", responses={200: {"model": TokenizeResponse}, **_errors(400, 401, 404)})
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
-    ctx = get_ctx(request)
+    ctx = checked_ctx(request, body)
     ctx.resolve_model(body.model)
     if isinstance(body, TokenizeChatRequest):
         _, tokens = await render_chat(ctx, body)
@@ -221,7 +230,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
 
 @keyed.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **_errors(400, 401, 404)})
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
-    ctx = get_ctx(request)
+    ctx = checked_ctx(request, body)
     ctx.resolve_model(body.model)
     vocab = ctx.engine.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):

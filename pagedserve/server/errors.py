@@ -4,7 +4,8 @@
 
 Every error the server returns has this shape: invalid fields (pydantic's included) are
 400 naming the field, never FastAPI's default 422; a field the server does not implement
-is a 400 naming it too.
+is a 400 naming it too (request_fields.py). Each 4xx is logged at INFO with its message and
+field, so an operator sees why a client fails (the access log says only the status).
 """
 
 from __future__ import annotations
@@ -125,11 +126,6 @@ def _closest_member(errors: list[Any]) -> list[Any]:
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = _closest_member(list(exc.errors()))
-    unsupported = [e for e in errors if e.get("type") == "extra_forbidden"]
-    if unsupported:
-        # Named first: an unknown field is refused, whatever else is wrong.
-        where = ".".join(_field_path(tuple(unsupported[0].get("loc", ()))))
-        return f"{where}: this field is not supported by this server (refused rather than ignored)", where.split(".")[0]
     parts = []
     param = None
     for error in errors[:3]:
@@ -141,32 +137,45 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+def log_client_error(request: Request, body: dict[str, Any], status: int) -> None:
+    """One INFO line per 4xx answer: route, status, field and message (as the client reads them)."""
+    if 400 <= status < 500:
+        error = body["error"]
+        logger.info("%s %s -> %d (param=%s): %s", request.method, request.url.path, status, error["param"],
+                    error["message"])
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     headers = dict(exc.headers or {})
     if exc.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
+    log_client_error(request, exc.body(), exc.status)
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     message, param = _validation_message(exc)
-    return JSONResponse(error_body(400, message, param), status_code=400)
+    body = error_body(400, message, param)
+    log_client_error(request, body, 400)
+    return JSONResponse(body, status_code=400)
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    body = error_body(exc.status_code, str(exc.detail))
+    log_client_error(request, body, exc.status_code)
     # Keeps starlette's headers (the Allow list of a 405).
-    return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
-async def _known_failure(_: Request, exc: Exception) -> JSONResponse:
+async def _known_failure(request: Request, exc: Exception) -> JSONResponse:
     # Handled here rather than by the catch-all: starlette re-raises what reaches that one,
     # and the server would log an ASGI traceback for an ordinary shutdown or unload.
     error = known_failure(exc)
     assert error is not None
+    log_client_error(request, error.body(), error.status)
     return JSONResponse(error.body(), status_code=error.status)
 
 

@@ -41,6 +41,7 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.server.lora_admin import LoRARegistry
     from pagedserve.server.metrics import ServerMetrics
+    from pagedserve.server.request_fields import RequestFields
     from pagedserve.server.serving_common import ServerContext
 
     names = args.served_model_name or [default_name]
@@ -90,6 +91,7 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
         sampling_defaults=sampling_defaults,
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
+        request_fields=RequestFields(strict=getattr(args, "strict_request_fields", False)),
     )
 
 

@@ -1,7 +1,12 @@
 """OpenAI-compatible request and response schemas (plus vLLM's sampling extras).
 
 Request models are as strict as the server, so the OpenAPI document tells the truth:
-  - a field the server does not implement is refused (400 naming it), never ignored;
+  - an undeclared field is set aside (`unknown_fields`) for request_fields.py's rule: a
+    field that would change the output and is not implemented is a 400 naming it, one
+    that only describes the request is accepted, any other is logged (issue #37.1);
+  - an explicit JSON null is an absent field (OpenAI's API allows null for every optional
+    field); a field whose type admits None keeps its None (`max_tokens: null` on
+    /v1/completions means no limit, as in vLLM), and the document says null is allowed;
   - types are strict (no "1" for 1, no 0.0 for an integer, no true for a token id),
     NaN / Infinity are refused, text may not hold lone surrogates (it could not be
     tokenized or echoed back as UTF-8);
@@ -14,10 +19,22 @@ Request models are as strict as the server, so the OpenAPI document tells the tr
 from __future__ import annotations
 
 import time
+import types
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    StringConstraints,
+    Tag,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from pagedserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
 
@@ -67,10 +84,56 @@ def _find_surrogate(value: Any) -> bool:
     return False
 
 
-class StrictRequest(BaseModel):
-    """Base of every request body: unknown fields refused, strict types, no NaN, valid text."""
+def _admits_none(annotation: Any) -> bool:
+    if annotation is None or annotation is type(None) or annotation is Any:
+        return True
+    if get_origin(annotation) in (Union, types.UnionType):
+        return any(_admits_none(arg) for arg in get_args(annotation))
+    return False
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+def _nullable_in_schema(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """The document admits null for each optional field whose type does not (null is absent)."""
+    absent = getattr(cls, "_null_is_absent", None)
+    if absent is None:
+        return
+    for name, prop in schema.get("properties", {}).items():
+        if name in absent():
+            meta = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
+            schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **meta}
+
+
+class StrictRequest(BaseModel):
+    """Base of every request body: strict types, no NaN, valid text; null is absent and
+    undeclared fields are kept aside for the field rule (request_fields.py)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, json_schema_extra=_nullable_in_schema)
+
+    # The undeclared fields of this object as sent (not nested objects': each holds its own).
+    _unknown: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @property
+    def unknown_fields(self) -> dict[str, Any]:
+        return self._unknown
+
+    @classmethod
+    def _null_is_absent(cls) -> set[str]:
+        """Names (as sent: aliases) of the optional fields whose type does not admit None."""
+        return {f.alias or name for name, f in cls.model_fields.items()
+                if not f.is_required() and not _admits_none(f.annotation)}
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _set_aside(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if not isinstance(data, dict):
+            return handler(data)
+        known = {name for name in cls.model_fields} | {f.alias for f in cls.model_fields.values() if f.alias}
+        absent = cls._null_is_absent()
+        unknown = {k: v for k, v in data.items() if k not in known and v is not None}
+        given = {k: v for k, v in data.items() if k in known and not (v is None and k in absent)}
+        model = handler(given)
+        model._unknown = unknown
+        return model
 
     @field_validator("*", mode="after")
     @classmethod
@@ -102,8 +165,6 @@ class ResponseFormat(StrictRequest):
 
 class StructuredOutputsIn(StrictRequest):
     """vLLM's structured_outputs field; exactly one constraint."""
-
-    model_config = ConfigDict(extra="forbid")
 
     json_: str | dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
@@ -357,8 +418,21 @@ class TokenizeChatRequest(StrictRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-# vLLM's two shapes of /tokenize: exactly one of prompt and messages.
-TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+def _tokenize_shape(data: Any) -> str:
+    # Chosen by the key present, not by which shape fits best: an undeclared field no longer
+    # counts against a shape (it is set aside), so "fits best" would pick the wrong message.
+    if isinstance(data, dict) and "messages" in data:
+        return "TokenizeChatRequest"
+    return "TokenizeCompletionRequest"
+
+
+# vLLM's two shapes of /tokenize: exactly one of prompt and messages (the other one is then
+# an undeclared field, refused by request_fields.py).
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+    | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+    Discriminator(_tokenize_shape),
+]
 
 
 class DetokenizeRequest(StrictRequest):

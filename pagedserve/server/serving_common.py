@@ -28,6 +28,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError, bad_request, known_failure
 from pagedserve.server.lora_admin import LoRARegistry
 from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.request_fields import RequestFields
 from pagedserve.structured_outputs import GrammarError
 from pagedserve.structured_outputs.manager import STARTED_POLL_S, started
 
@@ -67,6 +68,8 @@ class ServerContext:
     # tool_choice "auto": parse the model's text into tool_calls with this parser.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # What an undeclared request field gets (--strict-request-fields: a 400).
+    request_fields: RequestFields = field(default_factory=RequestFields)
 
     def resolve_model(self, model: str | None) -> str:
         """The served name to echo back (the base model's or an adapter's); 404 if unknown."""

@@ -305,21 +305,33 @@ def test_openapi_document_describes_the_server(server: LiveServer) -> None:
     # What it allows, the server takes: /tokenize is one of two shapes.
     assert _post(server, "/tokenize", {"messages": [{"role": "user", "content": "x"}]}).status_code == 200
     _assert_names(_post(server, "/tokenize", {}), "prompt")
+    # #37: null is absent, so the document admits null for every optional field; an unknown
+    # field is not forbidden by the document (additionalProperties left open), nor by the server.
+    request = doc["components"]["schemas"]["ChatCompletionRequest"]
+    assert {"type": "null"} in request["properties"]["n"]["anyOf"]
+    assert {"type": "null"} in request["properties"]["stream"]["anyOf"]
+    assert request.get("additionalProperties", True) is not False
+    chat = {"model": TEST_MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+    assert _post(server, "/v1/chat/completions", {**chat, "n": None, "x_unknown": 1}).status_code == 200
 
 
-# Fields a vLLM / OpenAI client may send that this server does not implement: each is a 400
-# naming it, never silently ignored (issue #16.6). Structured outputs (response_format,
-# tools, guided_*, structured_outputs) and prompt_logprobs leave this list when implemented.
-UNSUPPORTED = [
-    "suffix", "no_such_field",
-]
+# Fields of OpenAI's or vLLM's API that would change the output and that this server does
+# not implement: each is a 400 naming it, never silently ignored (issues #16.6, #37.1). The
+# whole list, with the reason for each, is request_fields.REFUSED (and
+# docs/vllm_compatibility.md); an entry leaves both when implemented.
+UNSUPPORTED = ["suffix", "audio", "use_beam_search", "bad_words", "cache_salt"]
+# Any other unknown field is accepted (and logged once): #37.1 (c).
+UNKNOWN = ["no_such_field", "metadata"]
 
 
-@pytest.mark.parametrize("field", UNSUPPORTED)
+@pytest.mark.parametrize("field", UNSUPPORTED + UNKNOWN)
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_unimplemented_field_is_400_naming_it(server: LiveServer, path: str, field: str) -> None:
     base = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
     resp = _post(server, path, {"model": TEST_MODEL, "max_tokens": 2, **base, field: {"type": "json_object"}})
+    if field in UNKNOWN:
+        assert resp.status_code == 200, resp.text
+        return
     _assert_names(resp, field)
     assert "not supported" in resp.json()["error"]["message"]
 
@@ -339,6 +351,10 @@ BAD_INPUTS = [
     (CMPL, {"min_tokens": 0.0}, "min_tokens"), (CMPL, {"prompt": [1, "a"]}, "prompt"),
     (CHAT, {"messages": "hi"}, "messages"), (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages"),
     (CHAT, {"messages": MSG, "logprobs": 1}, "logprobs"),
+    # not implemented and would change the output (#37.1); a refused nested field names its parent
+    (CMPL, {"suffix": "x"}, "suffix"), (CHAT, {"messages": MSG, "functions": [{"name": "f"}]}, "functions"),
+    (CHAT, {"messages": MSG, "stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ("/tokenize", {"prompt": "a", "messages": MSG}, "prompt"),
     # out of range
     (CMPL, {"temperature": -1}, "temperature"), (CMPL, {"top_p": 0}, "top_p"), (CMPL, {"n": 1000}, "n"),
     (CMPL, {"max_tokens": 10**12}, "max_tokens"), (CMPL, {"seed": 2**64}, "seed"), (CMPL, {"seed": -(2**63) - 1}, "seed"),
@@ -370,7 +386,7 @@ BAD_INPUTS = [
     (CMPL, {"logit_bias": {"5": 101}}, "logit_bias"),
     # /tokenize and /detokenize
     ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"prompt": HUGE}, "prompt"),
-    ("/tokenize", {"prompt": "a", "messages": MSG}, None), ("/tokenize", {"messages": []}, "messages"),
+    ("/tokenize", {"messages": []}, "messages"),
     ("/detokenize", {}, "tokens"), ("/detokenize", {"tokens": [False]}, "tokens"), ("/detokenize", {"tokens": "abc"}, "tokens"),
     ("/detokenize", {"tokens": [1.5]}, "tokens"), ("/detokenize", {"tokens": [10**9]}, "tokens"),
     ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": [1], "model": "nope"}, "model"),
