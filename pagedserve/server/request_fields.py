@@ -70,6 +70,10 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "prompt": ("this route takes messages, not prompt", ()),
 }
 
+# Every undeclared option inside these objects: an output constraint the server cannot
+# honour in full would let through text the client's parser then fails on.
+REFUSED_UNDER = ("structured_outputs.", "response_format.")
+
 HARMLESS = frozenset({
     # describe the request, or ask the provider for something that does not change the text
     "metadata", "store", "user", "service_tier", "safety_identifier", "prompt_cache_key",
@@ -94,6 +98,8 @@ class RequestFields:
         for shown, key, value in _unknown_fields(body, ""):
             param = shown.split(".", 1)[0]
             refused = REFUSED.get(key)
+            if refused is None and key.startswith(REFUSED_UNDER):
+                refused = (f"an option of the output constraint that {_NOT_IMPLEMENTED}", ())
             if refused is not None:
                 reason, harmless = refused
                 if any(value == ok and type(value) is type(ok) for ok in harmless):
