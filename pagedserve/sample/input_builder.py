@@ -7,6 +7,11 @@ import torch
 from pagedserve.request import Request
 from pagedserve.sample.metadata import PenaltyInputs, SamplingMetadata
 
+# Temperatures above this sample as it does (logits / 1e4 are flat to within 1% for any
+# logits a model gives): a larger value, e.g. 1.7e308, is inf in float32, and a grammar-masked
+# logit -inf / inf is NaN, which broke the draw (the fuzz test's 500).
+MAX_TEMPERATURE = 1e4
+
 
 def build_sampling_metadata(
     requests: list[Request],
@@ -28,7 +33,8 @@ def build_sampling_metadata(
     row_generators: dict[int, torch.Generator] = {}
     if not all_greedy:
         greedy = [p.greedy for p in params]
-        temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)], device=device)
+        temperature = torch.tensor([1.0 if g else min(p.temperature, MAX_TEMPERATURE)
+                                    for g, p in zip(greedy, params, strict=True)], device=device)
         if any(greedy):
             greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
         if any(p.top_p < 1.0 for p in params):

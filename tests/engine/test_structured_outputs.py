@@ -263,3 +263,16 @@ def test_chat_with_tools_renders_them(llm):
         template = f.read()
     out = llm.chat(messages, SamplingParams(max_tokens=2), tools=tools, chat_template=template, use_tqdm=False)[0]
     assert '"name": "get_weather"' in out.prompt and "<tools>" in out.prompt
+
+
+def test_a_temperature_past_float32_still_samples_inside_the_constraint(llm):
+    """1.7e308 is inf in float32; a grammar-masked logit -inf / inf was NaN and the draw took a
+    token outside the choices (the fuzz test's 500, "grammar rejected token 0"). Temperatures
+    past sample.input_builder.MAX_TEMPERATURE sample as it does: flat over the allowed tokens."""
+    choices = ["", "yes", "no"]
+    params = [SamplingParams(temperature=t, max_tokens=8, seed=i,
+                             structured_outputs=StructuredOutputsParams(choice=choices))
+              for i, t in enumerate([1.7e308, 1e30, float(3.5e38), 1e4])]
+    outs = llm.generate(["Answer:"] * len(params), params, use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in choices
