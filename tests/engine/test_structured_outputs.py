@@ -272,7 +272,7 @@ def test_a_temperature_past_float32_still_samples_inside_the_constraint(llm):
     choices = ["", "yes", "no"]
     params = [SamplingParams(temperature=t, max_tokens=8, seed=i,
                              structured_outputs=StructuredOutputsParams(choice=choices))
-              for i, t in enumerate([1.7e308, 1e30, float(3.5e38), 1e4])]
+              for i, t in enumerate([1.7e308, 1e30, 3.5e38, 1e4])]
     outs = llm.generate(["Answer:"] * len(params), params, use_tqdm=False)
     for out in outs:
         assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in choices

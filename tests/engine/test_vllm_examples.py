@@ -24,6 +24,9 @@ from transformers import AutoTokenizer
 from hf_reference import hf_greedy
 from lora_utils import make_peft_adapter, peft_greedy
 
+# vLLM's example scripts run whole (2+ minutes in all): `make test-slow`, which CI runs.
+pytestmark = pytest.mark.slow
+
 EXAMPLES = pathlib.Path(__file__).parent / "vllm_examples"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 # hub id in the scripts -> the random test model standing in for it

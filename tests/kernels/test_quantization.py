@@ -28,7 +28,7 @@ from pagedserve.engine_args import EngineArgs
 from pagedserve.entrypoints.cli import build_parser
 from pagedserve.models.layers.linear import LinearBase
 from pagedserve.models.loader import load_model, weight_bytes
-from pagedserve.quantization import QuantizationConfig, gemv
+from pagedserve.quantization import QuantizationConfig
 from pagedserve.quantization.gemv import gemv_ops
 from pagedserve.quantization.int4 import (
     Int4LinearMethod,

@@ -14,6 +14,9 @@ from pagedserve.demo_adapters import ADAPTERS, HELD_OUT_TOPICS, has_effect, prom
 
 from lora_utils import peft_greedy
 
+# The trained demo adapters on SmolLM2 (half a minute); the LoRA kernels' PEFT parity is in the fast suite (tests/lora/test_lora_engine.py). `make test-slow`.
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 12
 # Share of the held-out prompts that must show each effect. Measured (greedy, 18 held-out
 # prompts): greeter 18/18, envelope 18/18, shout 14/18 (upper case is harder for a 135M

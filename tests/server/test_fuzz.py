@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from lora_utils import make_peft_adapter
 from server_fixtures import SERVE_ARGS, TEST_MODEL, running_server
@@ -45,6 +46,7 @@ def schemathesis_command(base_url: str, max_examples: int, seed: int, workers: i
             "--request-timeout", "60", "--no-color", "--output-sanitize", "false"]
 
 
+@pytest.mark.slow  # the long fuzz (a minute): `make test-slow`, which CI runs
 def test_schemathesis_finds_nothing(model_path, tmp_path) -> None:
     root = tmp_path / "adapters"
     root.mkdir()

@@ -16,6 +16,9 @@ import pytest
 from lora_utils import make_peft_adapter, peft_greedy
 from server_fixtures import SERVE_ARGS, TEST_MODEL, LiveServer, running_server
 
+# Ray replicas started and killed (a minute in all): `make test-slow`, which CI runs.
+pytestmark = pytest.mark.slow
+
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
