@@ -52,7 +52,10 @@ def test_schemathesis_finds_nothing(model_path, tmp_path) -> None:
     root.mkdir()
     shutil.copytree(make_peft_adapter(model_path(TEST_MODEL), None, 8, ["q_proj", "v_proj"], seed=1), root / "sql")
     with running_server([*FUZZ_SERVE_ARGS, "--lora-dir", str(root)]) as server:
-        run = subprocess.run(schemathesis_command(server.base_url, max_examples=10, seed=1), cwd=tmp_path,
+        # Seed 2: with seed 1 the nullable request schemas (issue 37) lead hypothesis, while it
+        # draws an array, into CPython 3.11's "AST constructor recursion depth mismatch"
+        # SystemError (inside the fuzzer; no request had failed).
+        run = subprocess.run(schemathesis_command(server.base_url, max_examples=10, seed=2), cwd=tmp_path,
                              capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
         assert "generated" in run.stdout and "passed" in run.stdout
