@@ -43,7 +43,11 @@ def schemathesis_command(base_url: str, max_examples: int, seed: int, workers: i
     st = Path(sys.executable).with_name("st")
     return [str(st), "run", f"{base_url}/openapi.json", "--checks", CHECKS, "--max-examples", str(max_examples),
             "--seed", str(seed), "--generation-database", "none", "--workers", str(workers),
-            "--request-timeout", "60", "--no-color", "--output-sanitize", "false"]
+            "--request-timeout", "60", "--no-color", "--output-sanitize", "false",
+            # Not the coverage phase: on the nullable request schemas (issue 37) it crashes inside
+            # hypothesis (CPython 3.11's "AST constructor recursion depth mismatch" SystemError
+            # while it draws an array; every request it had sent passed), at random with 2 workers.
+            "--phases", "examples,fuzzing,stateful"]
 
 
 @pytest.mark.slow  # the long fuzz (a minute): `make test-slow`, which CI runs
@@ -52,10 +56,7 @@ def test_schemathesis_finds_nothing(model_path, tmp_path) -> None:
     root.mkdir()
     shutil.copytree(make_peft_adapter(model_path(TEST_MODEL), None, 8, ["q_proj", "v_proj"], seed=1), root / "sql")
     with running_server([*FUZZ_SERVE_ARGS, "--lora-dir", str(root)]) as server:
-        # Seed 2: with seed 1 the nullable request schemas (issue 37) lead hypothesis, while it
-        # draws an array, into CPython 3.11's "AST constructor recursion depth mismatch"
-        # SystemError (inside the fuzzer; no request had failed).
-        run = subprocess.run(schemathesis_command(server.base_url, max_examples=10, seed=2), cwd=tmp_path,
+        run = subprocess.run(schemathesis_command(server.base_url, max_examples=10, seed=1), cwd=tmp_path,
                              capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
         assert "generated" in run.stdout and "passed" in run.stdout
