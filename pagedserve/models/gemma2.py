@@ -28,15 +28,13 @@ from transformers import PretrainedConfig
 
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.models.layers.activation import get_activation
-from pagedserve.models.layers.attention import Attention
 from pagedserve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.models.layers.linear import (
     MergedColumnParallelLinear,
-    QKVParallelLinear,
     RowParallelLinear,
 )
-from pagedserve.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from pagedserve.models.llama import LlamaForCausalLM, head_dim_of, layer_window, num_kv_heads_of
+from pagedserve.models.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM, head_dim_of
 
 
 def layer_type_of(config: PretrainedConfig, layer_idx: int) -> str:
@@ -77,41 +75,30 @@ class Gemma2MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-class Gemma2Attention(nn.Module):
-    qk_norm: ClassVar[bool] = False  # Gemma 3 normalises each head of q and k before RoPE
+class Gemma2Attention(LlamaAttention):
+    """Llama's attention with Gemma's bias flag, scale (query_pre_attn_scalar) and score cap;
+    Gemma 3 (`qk_norm`) normalises each head of q and k before RoPE."""
+
+    qk_norm: ClassVar[bool] = False
 
     def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.head_dim = head_dim_of(config)
         bias = bool(getattr(config, "attention_bias", False))
-        total_heads = config.num_attention_heads
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, total_heads, num_kv_heads_of(config), bias
-        )
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias)
-        self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, config.query_pre_attn_scalar**-0.5,
-            layer_idx, sliding_window=layer_window(config, layer_idx),
-            softcap=getattr(config, "attn_logit_softcapping", None),
-        )
+        super().__init__(config, layer_idx, bias, bias)
         if self.qk_norm:
             self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(hidden)  # (T, (H + 2 KVH) * D), columns | q | k | v |
-        num_tokens = qkv.shape[0]
-        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
-        q, k = q.view(num_tokens, h, d), k.view(num_tokens, kvh, d)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn(q, k, v.view(num_tokens, kvh, d), meta)  # (T, H * D)
-        return self.o_proj(out)
+    def softmax_scale(self, config: PretrainedConfig) -> float:
+        return float(config.query_pre_attn_scalar) ** -0.5
+
+    def softcap(self, config: PretrainedConfig) -> float | None:
+        return getattr(config, "attn_logit_softcapping", None)
+
+    def rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.qk_norm:  # qk (T, H + KVH, D): each head's row normalised over D, then rotated
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        return super().rotate(qk, cos, sin)
 
 
 class Gemma2DecoderLayer(nn.Module):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -33,24 +32,6 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
     ) -> None:
         super().__init__(config, layer_idx, biases)
         self.residual_multiplier = float(config.residual_multiplier)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # As LlamaDecoderLayer, each sublayer's output scaled before the norm adds it to
-        # the skip stream (the MLP's by the next layer's input norm or the final norm).
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, meta) * self.residual_multiplier
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden) * self.residual_multiplier, residual
 
 
 class GraniteModel(LlamaModel):

@@ -65,8 +65,9 @@ def layer_window(config: PretrainedConfig, layer_idx: int) -> int | None:
 
 class LlamaAttention(nn.Module):
     """Subclasses change the softmax scale (`softmax_scale`), each layer's window
-    (`sliding_window`) or what happens to q and k between the projection and the cache
-    (`rotate`: Qwen3's q/k norms, Phi-3's partial rotary, SmolLM3's layers without RoPE)."""
+    (`sliding_window`), the score cap (`softcap`) or what happens to q and k between the
+    projection and the cache (`rotate`: Qwen3's and Gemma 3's q/k norms, Phi-3's partial
+    rotary, SmolLM3's layers without RoPE)."""
 
     def __init__(
         self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool
@@ -83,11 +84,16 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.softmax_scale(config),
             layer_idx, sliding_window=self.sliding_window(config, layer_idx),
+            softcap=self.softcap(config),
         )
         self.fused = fused_ops.resolve()  # rotary's C++ op or None, chosen once
 
     def softmax_scale(self, config: PretrainedConfig) -> float:
         return self.head_dim**-0.5
+
+    def softcap(self, config: PretrainedConfig) -> float | None:
+        """Scores capped to c * tanh(s / c) (Gemma 2); None: uncapped."""
+        return None
 
     def sliding_window(self, config: PretrainedConfig, layer_idx: int) -> int | None:
         return layer_window(config, layer_idx)
@@ -123,6 +129,9 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+    # Granite scales each sublayer's output before the norm adds it to the skip stream (the
+    # MLP's by the next layer's input norm or the final norm); None: unscaled.
+    residual_multiplier: float | None = None
 
     def __init__(
         self, config: PretrainedConfig, layer_idx: int, biases: tuple[bool, bool, bool]
@@ -148,8 +157,13 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, meta)
+        if self.residual_multiplier is not None:
+            hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        if self.residual_multiplier is not None:
+            hidden = hidden * self.residual_multiplier
+        return hidden, residual
 
 
 class LlamaModel(nn.Module):
