@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_models import PagedRunner, prompts_for, save_random_model
+from test_models import TINY, PagedRunner, prompts_for, save_random_model
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -32,15 +32,6 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.models.loader import load_model
 from pagedserve.models.registry import supported_architectures
 
-TINY = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 # Special ids inside the tiny vocabulary (some configs default to their real model's).
 SMALL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 CONFIGS: dict[str, PretrainedConfig] = {
