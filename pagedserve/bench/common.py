@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.bench.sim import SimClock, run_simulated
 from pagedserve.bench.workloads import (
+    WORKLOADS,
     WorkloadRequest,
     fit_to_context,
     fixed,
@@ -80,8 +83,6 @@ def make_engine(spec: EngineSpec) -> Any:
         kwargs["quantization"] = spec.quantization
     if spec.max_loras:
         kwargs.update(enable_lora=True, max_loras=spec.max_loras, max_lora_rank=spec.max_lora_rank)
-    from pagedserve.bench.sim import SimClock
-
     # The simulated-time driver (bench/sim.py) moves this clock; nothing else does.
     return LLMEngine(EngineArgs(model=spec.model, **kwargs).create_engine_config(), clock=SimClock())
 
@@ -124,6 +125,30 @@ def load_requests(
     return fit_to_context(requests, max_model_len)
 
 
+def add_workload_args(parser: argparse.ArgumentParser, workload: str = "sharegpt", num_requests: int = 200) -> None:
+    """The flags every trace-driven subcommand shares: model, workload, KV memory, context.
+
+    `requests_from_args` turns them into requests; the defaults differ per subcommand only in
+    the workload (short Alpaca-like requests where many sequences per prompt are the point)
+    and the number of requests.
+    """
+    parser.add_argument("--model", default="llama-gqa", help="model folder or demo model name")
+    parser.add_argument("--workload", default=workload, choices=[*WORKLOADS, "random"],
+                        help="synthetic lengths like ShareGPT / Alpaca, or fixed (random)")
+    parser.add_argument("--dataset", default=None, help="ShareGPT-format JSON (default: synthetic lengths)")
+    parser.add_argument("--num-requests", type=int, default=num_requests)
+    parser.add_argument("--prompt-len", type=int, default=128, help="--workload random: prompt length")
+    parser.add_argument("--output-len", type=int, default=128, help="--workload random: output length")
+    parser.add_argument("--kv-tokens", type=int, default=16384, help="KV memory in token slots (all configs)")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+
+
+def requests_from_args(args: argparse.Namespace, model_path: str) -> list[WorkloadRequest]:
+    """The requests `add_workload_args`' flags describe."""
+    return load_requests(args.workload, args.num_requests, model_path, args.max_model_len, args.seed,
+                         args.dataset, args.prompt_len, args.output_len)
+
+
 @contextlib.contextmanager
 def torch_threads(num_threads: int | None) -> Iterator[None]:
     """Runs the block with `num_threads` intra-op threads, then restores the previous count."""
@@ -144,9 +169,6 @@ def warm_up(engine: Any) -> None:
     Driven like a trace (`run_simulated`): the engine's clock is simulated, so a batching
     baseline's window only passes, and its queue only closes, when the driver says so.
     """
-    from pagedserve.bench.sim import run_simulated
-    from pagedserve.bench.workloads import WorkloadRequest
-
     run_simulated(engine, [WorkloadRequest([11, 12, 13, 14], 4)], [0.0], id_prefix="warmup-")
 
 

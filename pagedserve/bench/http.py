@@ -11,12 +11,11 @@ import asyncio
 from typing import Any
 
 from pagedserve.bench.common import md_table, parse_list, write_outputs
+from pagedserve.bench.workloads import synthetic_means
 
 
 def serve_argv(args: argparse.Namespace, rates: list[float]) -> list[str]:
     """`pagedserve.bench.loadgen` flags for this run (synthetic lengths follow --workload)."""
-    from pagedserve.bench.online import synthetic_means
-
     argv = ["--base-url", args.base_url, "--num-prompts", str(args.num_requests), "--seed", str(args.seed),
             "--burstiness", str(args.burstiness), "--sweep-rates", ",".join(str(r) for r in rates)]
     if args.dataset:

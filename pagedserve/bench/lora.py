@@ -21,34 +21,33 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pagedserve.bench.clock import fit_step_model, modelled_makespan
 from pagedserve.bench.common import (
     EngineSpec,
+    add_workload_args,
     llm_accepts,
-    load_requests,
     make_engine,
     md_table,
     parse_list,
     progress,
+    requests_from_args,
     resolve_model_path,
     torch_threads,
     warm_up,
     write_outputs,
 )
+from pagedserve.bench.plots import plot_lora
 from pagedserve.bench.sim import run_simulated, summarize
 from pagedserve.bench.workloads import arrival_times
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-gqa", help="model folder or demo model name")
-    parser.add_argument("--workload", default="alpaca", choices=["sharegpt", "alpaca", "random"])
-    parser.add_argument("--num-requests", type=int, default=200)
+    add_workload_args(parser, workload="alpaca")
     parser.add_argument("--num-adapters", default="0,1,2,4,8,16", help="comma-separated K (0 = base model)")
     parser.add_argument("--max-loras", type=int, default=8, help="adapters resident in KV memory at once")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="adapted modules")
     parser.add_argument("--rate-fraction", type=float, default=0.7, help="of the base model's capacity")
-    parser.add_argument("--kv-tokens", type=int, default=16384)
-    parser.add_argument("--max-model-len", type=int, default=2048)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.num_requests, args.num_adapters, args.max_loras = min(args.num_requests, 24), "0,2,4", 2
     model = resolve_model_path(args.model)
-    requests = load_requests(args.workload, args.num_requests, model, args.max_model_len, args.seed)
+    requests = requests_from_args(args, model)
     results: list[dict[str, Any]] = []
     base_capacity = None
     with torch_threads(args.threads), progress(len(parse_list(args.num_adapters)), "adapters", args.progress,
@@ -73,8 +72,6 @@ def run(args: argparse.Namespace) -> int:
                 "rate_fraction": args.rate_fraction, "kv_tokens": args.kv_tokens, "seed": args.seed}
     data = {"settings": settings, "results": results}
     paths = write_outputs(args.out_dir, args.name or "lora", data, markdown(data))
-    from pagedserve.bench.plots import plot_lora
-
     paths.append(plot_lora(data, args.out_dir, args.name or "lora"))
     print(markdown(data))
     print("wrote " + ", ".join(str(p) for p in paths))
@@ -82,8 +79,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_k(model: str, requests: list, k: int, args: argparse.Namespace, base_capacity: float | None) -> dict:
-    from pagedserve.bench.clock import fit_step_model, modelled_makespan
-
     spec = EngineSpec(model, kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
                       max_loras=args.max_loras if k else 0, max_lora_rank=max(args.rank, 8))
     adapters = build_adapters(model, k, args.rank, parse_list(args.targets), args.seed)

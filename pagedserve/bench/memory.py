@@ -17,16 +17,18 @@ from typing import Any
 
 from pagedserve.bench.common import (
     EngineSpec,
-    load_requests,
+    add_workload_args,
     make_engine,
     md_table,
     parse_list,
     progress,
+    requests_from_args,
     resolve_model_path,
     torch_threads,
     warm_up,
     write_outputs,
 )
+from pagedserve.bench.plots import plot_memory
 from pagedserve.bench.sim import run_simulated, summarize
 from pagedserve.bench.workloads import arrival_times
 
@@ -35,16 +37,11 @@ CATEGORIES = ("token_states", "reserved", "internal", "external")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-gqa", help="model folder or demo model name")
-    parser.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca", "random"])
-    parser.add_argument("--dataset", default=None, help="ShareGPT-format JSON (default: synthetic lengths)")
-    parser.add_argument("--num-requests", type=int, default=200)
+    add_workload_args(parser)
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help="comma-separated: paged:<block size> or a contiguous kind")
     parser.add_argument("--contiguous-block-size", type=int, default=16,
                         help="block size the contiguous regions are expressed in")
-    parser.add_argument("--kv-tokens", type=int, default=16384, help="KV memory, in token slots (all configs)")
-    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf = all queued at once")
 
 
@@ -61,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         args.num_requests = min(args.num_requests, 40)
         args.kv_tokens = min(args.kv_tokens, 8192)
     model = resolve_model_path(args.model)
-    requests = load_requests(args.workload, args.num_requests, model, args.max_model_len, args.seed, args.dataset)
+    requests = requests_from_args(args, model)
     arrivals = arrival_times(len(requests), args.request_rate, seed=args.seed)
     results = []
     configs = [parse_config(c, args.contiguous_block_size) for c in parse_list(args.configs)]
@@ -72,8 +69,6 @@ def run(args: argparse.Namespace) -> int:
             results.append(_run_one(spec, requests, arrivals, args.progress))
     data = {"settings": _settings(args, requests), "results": results}
     paths = write_outputs(args.out_dir, args.name or "memory", data, markdown(data))
-    from pagedserve.bench.plots import plot_memory
-
     paths.append(plot_memory(data, args.out_dir))
     print(markdown(data))
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -17,20 +17,24 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from pagedserve.bench.clock import fit_step_model, modelled_makespan
 from pagedserve.bench.common import (
     EngineSpec,
-    load_requests,
+    add_workload_args,
     make_engine,
     md_table,
     parse_list,
     progress,
+    requests_from_args,
     resolve_model_path,
     torch_threads,
     warm_up,
     write_outputs,
 )
+from pagedserve.bench.http import run_http
+from pagedserve.bench.plots import plot_batching, plot_online
 from pagedserve.bench.sim import run_simulated, summarize
-from pagedserve.bench.workloads import WORKLOADS, arrival_times
+from pagedserve.bench.workloads import arrival_times
 
 # A calibration run shorter than this (tiny smoke runs) cannot pin 4 coefficients down:
 # those runs keep the measured clock.
@@ -39,12 +43,7 @@ DEFAULT_FRACTIONS = "0.2,0.4,0.6,0.8,0.9,1.0"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-gqa", help="model folder or demo model name")
-    parser.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca", "random"])
-    parser.add_argument("--dataset", default=None, help="ShareGPT-format JSON (default: synthetic lengths)")
-    parser.add_argument("--num-requests", type=int, default=200)
-    parser.add_argument("--prompt-len", type=int, default=128, help="--workload random: prompt length")
-    parser.add_argument("--output-len", type=int, default=128, help="--workload random: output length")
+    add_workload_args(parser)
     parser.add_argument("--rates", default="auto", help="comma-separated req/s (inf = all at once), or auto")
     parser.add_argument("--rate-fractions", default=DEFAULT_FRACTIONS, help="--rates auto: fractions of capacity")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")
@@ -52,8 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated allocation schemes")
     parser.add_argument("--batching", default="continuous", help="comma-separated: continuous, static, dynamic")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-tokens", type=int, default=16384, help="KV memory in token slots (all configs)")
-    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--batch-window", type=float, default=0.05, help="dynamic batching window (s)")
@@ -69,13 +66,10 @@ def run(args: argparse.Namespace) -> int:
         if args.rates == "auto":
             args.rate_fractions = "0.3,1.0"
     if args.base_url:
-        from pagedserve.bench.http import run_http
-
         return run_http(args)
     name = args.name or ("online_dataset" if args.dataset else f"online_{args.workload}")
     model = resolve_model_path(args.model)
-    requests = load_requests(args.workload, args.num_requests, model, args.max_model_len, args.seed,
-                             args.dataset, args.prompt_len, args.output_len)
+    requests = requests_from_args(args, model)
     specs = [EngineSpec(model, kv, batching, block_size=args.block_size, kv_tokens=args.kv_tokens,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, batch_window_s=args.batch_window)
@@ -83,8 +77,6 @@ def run(args: argparse.Namespace) -> int:
     with torch_threads(args.threads):
         data = sweep_rates(specs, requests, args)
     paths = write_outputs(args.out_dir, name, data, markdown(data))
-    from pagedserve.bench.plots import plot_batching, plot_online
-
     many_policies = len({r["batching"] for r in data["results"]}) > 1
     paths.append((plot_batching if many_policies else plot_online)(data, args.out_dir, name))
     print(markdown(data))
@@ -96,8 +88,6 @@ def sweep_rates(specs: list[EngineSpec], requests: list, args: argparse.Namespac
     """Every spec at every rate, after a calibration run of the first spec with every request
     queued at once: its throughput is the capacity behind --rates auto, and its steps fit the
     step-time model behind --clock fitted (see bench/clock.py)."""
-    from pagedserve.bench.clock import fit_step_model, modelled_makespan
-
     first = _engine(specs[0])
     model, capacity, calibration = None, None, None
     if args.rates == "auto" or args.clock == "fitted":
@@ -172,8 +162,3 @@ def markdown(data: dict[str, Any]) -> str:
              f"{s['kv_tokens']} KV slots, max_num_seqs {s['max_num_seqs']}, simulated clock ({s['clock']}){capacity}.")
     return f"{title}\n\n{md_table(headers, rows)}"
 
-
-def synthetic_means(workload: str) -> tuple[float, float]:
-    """(prompt mean, output mean) of a synthetic workload, for the HTTP load generator."""
-    prompt, output = WORKLOADS[workload]
-    return prompt.mean, output.mean

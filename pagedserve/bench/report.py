@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedserve.bench.cli import parse_bench_args, run_bench
+from pagedserve.bench.common import parse_list
+
 # part -> (bench subcommand, its arguments). Budgeted for ~20 min on 2 shared cores.
 PARTS: dict[str, tuple[str, list[str]]] = {
     "memory": ("memory", []),
@@ -115,9 +118,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedserve.bench.cli import parse_bench_args, run_bench
-    from pagedserve.bench.common import parse_list
-
     if args.render_only:
         saved = json.loads((Path(args.out_dir) / "report.json").read_text())
         path = write_report(Path(args.out_dir), saved["timings"], saved["total_s"], saved["quick"])
@@ -130,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     for part in parse_list(args.parts):
         command, extra = PARTS[part]
         t0 = time.perf_counter()
+        code: int | str
         try:
             code = run_bench(parse_bench_args([command, *extra, "--name", part, *common]))
         except Exception as exc:  # one broken part must not lose the others' results

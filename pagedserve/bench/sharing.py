@@ -21,28 +21,25 @@ from typing import Any
 
 from pagedserve.bench.common import (
     EngineSpec,
-    load_requests,
+    add_workload_args,
     make_engine,
     md_table,
     parse_list,
     progress,
+    requests_from_args,
     resolve_model_path,
     torch_threads,
     warm_up,
     write_outputs,
 )
+from pagedserve.bench.plots import plot_sharing
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-gqa", help="model folder or demo model name")
-    parser.add_argument("--workload", default="alpaca", choices=["sharegpt", "alpaca", "random"])
-    parser.add_argument("--dataset", default=None, help="ShareGPT-format JSON (default: synthetic lengths)")
-    parser.add_argument("--num-requests", type=int, default=100)
+    add_workload_args(parser, workload="alpaca", num_requests=100)
     parser.add_argument("--modes", default="n=1,n=2,n=4,n=6,beam=2,beam=4,beam=6",
                         help="comma-separated n=<samples> (parallel sampling) or beam=<width>")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-tokens", type=int, default=16384)
-    parser.add_argument("--max-model-len", type=int, default=2048)
 
 
 def parallel_sampling_available() -> bool:
@@ -70,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         args.num_requests = min(args.num_requests, 8)
         args.modes = "n=1,n=2" + (",beam=2" if beam_search_available() else "")
     model = resolve_model_path(args.model)
-    requests = load_requests(args.workload, args.num_requests, model, args.max_model_len, args.seed, args.dataset)
+    requests = requests_from_args(args, model)
     spec = EngineSpec(model, block_size=args.block_size, kv_tokens=args.kv_tokens, max_model_len=args.max_model_len)
     results = []
     with torch_threads(args.threads):
@@ -88,8 +85,6 @@ def run(args: argparse.Namespace) -> int:
                 "kv_tokens": args.kv_tokens, "block_size": args.block_size, "seed": args.seed}
     data = {"settings": settings, "results": results}
     paths = write_outputs(args.out_dir, args.name or "sharing", data, markdown(data))
-    from pagedserve.bench.plots import plot_sharing
-
     paths.append(plot_sharing(data, args.out_dir, args.name or "sharing"))
     print(markdown(data))
     print("wrote " + ", ".join(str(p) for p in paths))
@@ -105,8 +100,8 @@ def _add(engine: Any, kind: str, value: int, requests: list, seed: int) -> list[
         if kind == "beam":
             from pagedserve.beam_search import BeamSearchParams
 
-            params = BeamSearchParams(beam_width=value, max_tokens=r.output_len, ignore_eos=True)
-            ids.append(engine.add_beam_search(f"s{i}", prompt, params))
+            beam = BeamSearchParams(beam_width=value, max_tokens=r.output_len, ignore_eos=True)
+            ids.append(engine.add_beam_search(f"s{i}", prompt, beam))
         else:
             params = SamplingParams(n=value, temperature=1.0, seed=seed + i, max_tokens=r.output_len, ignore_eos=True)
             ids.append(engine.add_request(f"s{i}", prompt, params))

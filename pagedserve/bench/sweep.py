@@ -31,6 +31,7 @@ from pagedserve.bench.common import (
     warm_up,
     write_outputs,
 )
+from pagedserve.bench.plots import plot_sweep
 from pagedserve.bench.sim import run_simulated, summarize
 from pagedserve.bench.workloads import fixed
 
@@ -106,8 +107,6 @@ def run(args: argparse.Namespace) -> int:
     data = {"settings": {"model": args.model, "max_model_len": args.max_model_len, "threads": args.threads,
                          "output_len": args.output_len, "seed": args.seed}, "axes": results}
     paths = write_outputs(args.out_dir, args.name or "sweep", data, markdown(data))
-    from pagedserve.bench.plots import plot_sweep
-
     paths.append(plot_sweep(data, args.out_dir, args.name or "sweep"))
     print(markdown(data))
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -14,11 +14,12 @@ from typing import Any
 
 from pagedserve.bench.common import (
     EngineSpec,
-    load_requests,
+    add_workload_args,
     make_engine,
     md_table,
     parse_list,
     progress,
+    requests_from_args,
     resolve_model_path,
     torch_threads,
     warm_up,
@@ -28,17 +29,10 @@ from pagedserve.bench.sim import run_simulated, summarize
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-gqa", help="model folder or demo model name")
-    parser.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca", "random"])
-    parser.add_argument("--dataset", default=None, help="ShareGPT-format JSON (default: synthetic lengths)")
-    parser.add_argument("--num-requests", type=int, default=200)
-    parser.add_argument("--prompt-len", type=int, default=128, help="--workload random: prompt length")
-    parser.add_argument("--output-len", type=int, default=128, help="--workload random: output length")
+    add_workload_args(parser)
     parser.add_argument("--kv-allocation", default="paged,contiguous-max,contiguous-pow2,contiguous-oracle")
     parser.add_argument("--batching", default="continuous")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-tokens", type=int, default=16384, help="KV memory in token slots (all configs)")
-    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--dtype", default="float32")
@@ -48,8 +42,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.num_requests = min(args.num_requests, 30)
     model = resolve_model_path(args.model)
-    requests = load_requests(args.workload, args.num_requests, model, args.max_model_len, args.seed,
-                             args.dataset, args.prompt_len, args.output_len)
+    requests = requests_from_args(args, model)
     arrivals = [0.0] * len(requests)
     results = []
     specs = [EngineSpec(model, kv, batching, block_size=args.block_size, kv_tokens=args.kv_tokens,

@@ -125,3 +125,9 @@ def fit_to_context(requests: list[WorkloadRequest], max_model_len: int) -> list[
         prompt = r.prompt_token_ids[: max_model_len - 2]
         fitted.append(WorkloadRequest(prompt, max(1, min(r.output_len, max_model_len - len(prompt)))))
     return fitted
+
+
+def synthetic_means(workload: str) -> tuple[float, float]:
+    """(prompt mean, output mean) of a synthetic workload, for the HTTP load generator."""
+    prompt, output = WORKLOADS[workload]
+    return prompt.mean, output.mean
