@@ -5,19 +5,104 @@ live on the engine, never written back here.
 
 Plain values only, no torch: `core/` reads these settings and stays importable without
 torch. The torch objects they name (device, dtypes) are resolved in `dtypes.py`.
+
+This module is the one home of every setting's default and allowed values: `EngineArgs`
+(the CLI and `LLM(...)`) takes its defaults from these dataclasses and its choice lists from
+the tuples below, and `core/`, `worker/` and `quantization/` import the tuples they check
+against (tests/test_settings_single_source.py fails when one is written twice).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.compilation.config import CompilationConfig
-from pagedserve.quantization import QuantizationConfig
 from pagedserve.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
+
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+GROUP_SIZES = (32, 64, 128, 256)
+PER_CHANNEL = -1  # int8 only: one scale per output channel
+# group_size None picks these; BENCHMARKS.md ("Real-text quality") shows why int8 uses 32.
+DEFAULT_GROUP_SIZES = {"int8": 32, "int4": 32, "gguf": 32}  # gguf: the file's blocks of 32
+QUANTIZATION_ACTIVATIONS = ("auto", "int8", "none")
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+KV_CACHE_DTYPES = ("auto", "int8")
+# "paged" is the product; the others are the benchmarks' contiguous-allocation baselines.
+KV_ALLOCATIONS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
+# "continuous" is the product; the others are the benchmarks' batching baselines.
+BATCHING_POLICIES = ("continuous", "static", "dynamic")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+LORA_DTYPES = ("auto", "float32", "bfloat16")
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "llguidance", "xgrammar")
+# What "auto" picks: faster to compile (benchmarks/structured.py, see BENCHMARKS.md).
+DEFAULT_STRUCTURED_OUTPUT_BACKEND = "llguidance"
+
+
+def _check_choice(setting: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{setting} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """What to quantize and how (`quantization/selector.py` turns it into a layer method).
+
+    Args:
+        method: "int8" (symmetric, group-wise or per output channel), "int4" (group-wise,
+            affine), or "gguf" (a GGUF file's quantized blocks as they are: the file decides
+            each layer's format; models/loader.py).
+        group_size: group along the input dim: 32, 64, 128 or 256; for int8 also -1 (one
+            scale per output channel). None: the method's default (32 for both).
+        quantize_lm_head: also quantize the LM head (embeddings always stay full precision;
+            a tied head gets its own quantized copy). With "gguf" the head becomes group-wise
+            int8 in blocks of 32 from its loaded values: exactly the file's numbers when the
+            file stores it (or the tied token embedding) as Q8_0, as llama.cpp serves it.
+        activations: group-wise int8 only: "int8" rounds a decode step's activations to
+            int8 per block of 32 (the `gemv_int8_q8` kernel; W8A8 dynamic), "none" keeps them
+            float (weight-only); "auto": quantization.DEFAULT_INT8_ACTIVATIONS. Prefill steps
+            round x the same way before their GEMM; layers the kernel cannot take stay weight-only.
+    """
+
+    method: str
+    group_size: int | None = None
+    quantize_lm_head: bool = False
+    activations: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None; "
+                f"got {self.method!r}"
+            )
+        if self.method == "gguf" and self.group_size is not None:
+            raise ValueError("quantization_group_size cannot be set with quantization='gguf' "
+                             "(the file's blocks of 32 are served as they are)")
+        if self.activations not in QUANTIZATION_ACTIVATIONS:
+            raise ValueError(f"quantization_activations must be one of {', '.join(QUANTIZATION_ACTIVATIONS)}, "
+                             f"got {self.activations!r}")
+        if self.activations == "int8" and (self.method != "int8" or self.group_size == PER_CHANNEL):
+            raise ValueError("quantization_activations='int8' applies to group-wise quantization='int8' only")
+        allowed = GROUP_SIZES + ((PER_CHANNEL,) if self.method == "int8" else ())
+        if self.group_size is not None and self.group_size not in allowed:
+            raise ValueError(
+                f"quantization_group_size for {self.method} must be one of {allowed}, got {self.group_size}"
+            )
+
+    @property
+    def effective_group_size(self) -> int:
+        return self.group_size if self.group_size is not None else DEFAULT_GROUP_SIZES[self.method]
+
+    def linear_method(self) -> Any:
+        """A fresh layer method (`quantization.selector.get_linear_method`; imports torch)."""
+        from pagedserve.quantization.selector import get_linear_method
+
+        return get_linear_method(self)
+
 
 # ModelConfig.dtype's accepted names -> torch's name for the dtype.
 DTYPE_ALIASES = {
@@ -88,9 +173,9 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("kv_allocation", self.kv_allocation, KV_ALLOCATIONS)
+        if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
@@ -115,8 +200,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _check_choice("batching", self.batching, BATCHING_POLICIES)
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
@@ -130,9 +216,6 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-
-
-_LORA_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -151,24 +234,19 @@ class LoRAConfig:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-        if self.lora_dtype not in _LORA_DTYPES:
-            raise ValueError(f"lora_dtype must be one of {', '.join(_LORA_DTYPES)}; got {self.lora_dtype!r}")
+        _check_choice("lora_dtype", self.lora_dtype, LORA_DTYPES)
 
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     """vLLM's --structured-outputs-config: {"backend": ..., "compile_timeout_s": ...}."""
 
-    # "auto" = llguidance (faster to compile, see BENCHMARKS.md), "llguidance" or "xgrammar".
-    backend: str = "auto"
+    backend: str = "auto"  # one of STRUCTURED_OUTPUT_BACKENDS
     # A grammar that takes longer to compile fails its request (a 400), not the batch.
     compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.backend not in ("auto", "llguidance", "xgrammar"):
-            raise ValueError(
-                f"structured_outputs_config.backend must be 'auto', 'llguidance' or 'xgrammar', got {self.backend!r}"
-            )
+        _check_choice("structured_outputs_config.backend", self.backend, STRUCTURED_OUTPUT_BACKENDS)
         if not self.compile_timeout_s > 0:
             raise ValueError(f"structured_outputs_config.compile_timeout_s must be > 0, got {self.compile_timeout_s}")
 
@@ -195,7 +273,7 @@ class StructuredOutputsConfig:
 
     @property
     def resolved_backend(self) -> str:
-        return "llguidance" if self.backend == "auto" else self.backend
+        return DEFAULT_STRUCTURED_OUTPUT_BACKEND if self.backend == "auto" else self.backend
 
 
 @dataclass(frozen=True)
@@ -203,7 +281,7 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: str = "auto"
+    device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda", "cuda:N"
     lora: LoRAConfig | None = None  # None: LoRA off
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

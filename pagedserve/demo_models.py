@@ -59,6 +59,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve import envs
+
 __all__ = [
     "DEMO_MODEL",
     "model_names",
@@ -309,11 +311,8 @@ def model_names() -> list[str]:
 
 
 def default_cache_dir() -> pathlib.Path:
-    """``$PAGEDSERVE_CACHE_DIR`` if set, else ``~/.cache/pagedserve``."""
-    env = os.environ.get("PAGEDSERVE_CACHE_DIR")
-    if env:
-        return pathlib.Path(env).expanduser()
-    return pathlib.Path.home() / ".cache" / "pagedserve"
+    """``$PAGEDSERVE_CACHE_DIR`` if set, else ``~/.cache/pagedserve`` (`envs.cache_dir`)."""
+    return envs.cache_dir()
 
 
 def get_model_path(

@@ -6,6 +6,7 @@ constructor checks `LLM(**kwargs)` (an unknown keyword is a TypeError naming it)
 :meth:`EngineArgs.create_engine_config` builds the frozen :class:`~pagedserve.config.EngineConfig`.
 
 No torch here: `pagedserve --help` builds its parser from this module without paying for torch.
+Defaults and choice lists are the config dataclasses' (`config.py`), referred to, never restated.
 
     field ──metadata──► argparse flag (add_cli_args) ──► Namespace ──► from_cli_args ─┐
       └──────────────────────── LLM(**kwargs) ────────────────────────────────────────┴─► EngineArgs
@@ -21,10 +22,26 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from pagedserve.config import EngineConfig
+from pagedserve.compilation.config import CompilationConfig
+from pagedserve.config import (
+    KV_CACHE_DTYPES,
+    LORA_DTYPES,
+    PREEMPTION_MODES,
+    QUANTIZATION_ACTIVATIONS,
+    QUANTIZATION_METHODS,
+    SCHEDULING_POLICIES,
+    STRUCTURED_OUTPUT_BACKENDS,
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    StructuredOutputsConfig,
+)
+from pagedserve.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +97,6 @@ def parse_model_len(text: str) -> int | None:
 
 def _parse_compilation_config(text: str) -> Any:
     """--compilation-config / -O: a level or JSON, checked while parsing."""
-    from pagedserve.compilation.config import CompilationConfig
-
     try:
         return CompilationConfig.from_value(text)
     except ValueError as exc:
@@ -90,12 +105,16 @@ def _parse_compilation_config(text: str) -> Any:
 
 def _parse_speculative_config(text: str) -> Any:
     """--speculative-config: checked while parsing, so a bad key is a usage error naming it."""
-    from pagedserve.spec_decode.config import SpeculativeConfig
-
     try:
         return SpeculativeConfig.from_value(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _default(config: type, name: str) -> Any:
+    """A config dataclass field's default: the one place each default is written."""
+    (default,) = (f.default for f in fields(config) if f.name == name)
+    return default
 
 
 def _setting(
@@ -133,103 +152,103 @@ class EngineArgs:
         "a Hugging Face model folder, a .gguf file, a hub id (org/name, from the local Hugging Face "
         "cache), or a built-in demo model name (demo, llama-gqa, ...)", cli=False,
         vllm="same, offline: a hub id is looked up in the local cache, never downloaded"))
-    tokenizer: str | None = field(default=None, metadata=_setting(
+    tokenizer: str | None = field(default=_default(ModelConfig, "tokenizer"), metadata=_setting(
         "tokenizer folder, .gguf file or hub id, if not the model's"))
-    revision: str | None = field(default=None, metadata=_setting(
+    revision: str | None = field(default=_default(ModelConfig, "revision"), metadata=_setting(
         "hub ids: the branch, tag or commit (default main)"))
-    download_dir: str | None = field(default=None, metadata=_setting(
+    download_dir: str | None = field(default=_default(ModelConfig, "download_dir"), metadata=_setting(
         "hub ids: the Hugging Face cache folder to look in (default $HF_HUB_CACHE)",
         vllm="same, but only read: nothing is downloaded"))
-    generation_config: str = field(default="auto", metadata=_setting(
+    generation_config: str = field(default=_default(ModelConfig, "generation_config"), metadata=_setting(
         "auto: the model's generation_config.json gives the sampling defaults (temperature, top_p, "
         "top_k, min_p, repetition_penalty, max_new_tokens) and extra EOS ids; vllm: ignore it; "
         "or a folder holding a generation_config.json"))
-    skip_tokenizer_init: bool = field(default=False, metadata=_setting(
+    skip_tokenizer_init: bool = field(default=_default(ModelConfig, "skip_tokenizer_init"), metadata=_setting(
         "no tokenizer: prompts must be token ids and outputs have no text"))
-    dtype: str = field(default="auto", metadata=_setting(
+    dtype: str = field(default=_default(ModelConfig, "dtype"), metadata=_setting(
         "auto (the checkpoint's dtype; float16 -> bfloat16 on CPU; a quantized GGUF -> bfloat16 on "
         "CPUs with native bf16, else float32; float32 if the checkpoint does not say), float32, "
         "bfloat16 or float16",
         vllm="same; a quantized GGUF is dequantized at load into this dtype"))
-    seed: int = field(default=0, metadata=_setting("seed of the engine's random generator"))
-    max_model_len: int | None = field(default=None, metadata=_setting(
+    seed: int = field(default=_default(ModelConfig, "seed"), metadata=_setting("seed of the engine's random generator"))
+    max_model_len: int | None = field(default=_default(ModelConfig, "max_model_len"), metadata=_setting(
         "longest prompt + output in tokens: 4096, 16k (x1000), 16K (x1024), 1M, or auto "
         "(the default: the model's maximum)", parse=parse_model_len, metavar="LEN",
         vllm="same; `auto` is the model's maximum (vLLM may also shrink it to fit memory)"))
-    device: str = field(default="auto", metadata=_setting("auto, cpu or cuda"))
-    quantization: str | None = field(default=None, metadata=_setting(
+    device: str = field(default=_default(EngineConfig, "device"), metadata=_setting("auto, cpu or cuda"))
+    quantization: str | None = field(default=_default(ModelConfig, "quantization"), metadata=_setting(
         "weight-only quantization of every linear layer at load time "
         "(group-wise: int8 symmetric like Q8_0, int4 affine like Q4_1), or gguf: a .gguf model's "
         "Q8_0 / Q4_0 / Q4_1 linear weights served as they are (no requantizing; other tensors "
-        "dequantized)", choices=("int8", "int4", "gguf"),
+        "dequantized)", choices=QUANTIZATION_METHODS,
         vllm="differs: vLLM names checkpoint formats (awq, gptq, fp8, gguf, ...); here int8 / int4 "
              "quantize a full-precision checkpoint at load; gguf is vLLM's name"))
-    quantization_group_size: int | None = field(default=None, metadata=_setting(
+    quantization_group_size: int | None = field(default=_default(ModelConfig, "quantization_group_size"), metadata=_setting(
         "group size along the input dim: 32 (default), 64, 128 or 256; int8 also -1 "
         "(one scale per output channel)", vllm="pagedserve only"))
-    quantize_lm_head: bool = field(default=False, metadata=_setting(
+    quantize_lm_head: bool = field(default=_default(ModelConfig, "quantize_lm_head"), metadata=_setting(
         "also quantize the LM head (embeddings stay full precision); with gguf: int8 blocks of 32, "
         "the file's own numbers when it stores the head as Q8_0", vllm="pagedserve only"))
-    quantization_activations: str = field(default="auto", metadata=_setting(
+    quantization_activations: str = field(default=_default(ModelConfig, "quantization_activations"), metadata=_setting(
         "int8 (group-wise) only: int8 rounds each decode step's activations to int8 per block of "
         "32 (scale absmax / 127, like llama.cpp's q8_0 x q8_0 dot; W8A8 dynamic); none keeps them "
         "float (weight-only, W8A16); auto: pagedserve's default (none)",
-        choices=("auto", "int8", "none"), vllm="pagedserve only"))
+        choices=QUANTIZATION_ACTIVATIONS, vllm="pagedserve only"))
 
-    block_size: int = field(default=16, metadata=_setting("tokens per KV cache block"))
-    kv_cache_memory_bytes: int | None = field(default=None, metadata=_setting(
+    block_size: int = field(default=_default(CacheConfig, "block_size"), metadata=_setting("tokens per KV cache block"))
+    kv_cache_memory_bytes: int | None = field(default=_default(CacheConfig, "kv_cache_memory_bytes"), metadata=_setting(
         "memory for the KV cache, e.g. 512MiB or 2GiB (default: a share of free memory)",
         flag="--kv-cache-memory", aliases=("--kv-cache-memory-bytes",), parse=parse_bytes,
         metavar="BYTES", vllm="same; units accepted (512MiB); also --kv-cache-memory"))
-    gpu_memory_utilization: float | None = field(default=None, metadata=_setting(
+    gpu_memory_utilization: float | None = field(default=_default(CacheConfig, "memory_utilization"), metadata=_setting(
         "share of memory for the weights + KV cache, in (0, 1]. On CPU the share is of the memory "
         "available at start-up (weights included); on CUDA of the device's free memory. Ignored "
         "when --kv-cache-memory-bytes or --num-gpu-blocks-override is given",
         vllm="same on CUDA; on CPU the share of host memory available at start-up "
              "(vLLM's CPU backend reads VLLM_CPU_KVCACHE_SPACE instead); default: 25% of "
              "available memory, at most 4 GiB, for the KV cache"))
-    num_gpu_blocks_override: int | None = field(default=None, metadata=_setting(
+    num_gpu_blocks_override: int | None = field(default=_default(CacheConfig, "num_gpu_blocks_override"), metadata=_setting(
         "exact number of KV blocks, overriding the memory budget"))
-    enable_prefix_caching: bool = field(default=True, metadata=_setting(
+    enable_prefix_caching: bool = field(default=_default(CacheConfig, "enable_prefix_caching"), metadata=_setting(
         "reuse cached KV blocks of shared prompt prefixes"))
-    swap_space: float = field(default=1.0, metadata=_setting(
+    swap_space: float = field(default=_default(CacheConfig, "swap_space_bytes") / 2**30, metadata=_setting(
         "host memory for swapped-out KV blocks, in GiB (vLLM's unit); units accepted: 512MiB",
         parse=parse_gib, metavar="GiB"))
-    kv_cache_dtype: str = field(default="auto", metadata=_setting(
+    kv_cache_dtype: str = field(default=_default(CacheConfig, "kv_cache_dtype"), metadata=_setting(
         "auto (the model's dtype) or int8 (per-token-per-head scales, ~2x the blocks of bf16, "
-        "~4x of fp32)", choices=("auto", "int8")))
+        "~4x of fp32)", choices=KV_CACHE_DTYPES))
     # Benchmark baselines (core/contiguous.py, core/batching.py): API only, not product flags.
-    kv_allocation: str = field(default="paged", metadata=_setting(
+    kv_allocation: str = field(default=_default(CacheConfig, "kv_allocation"), metadata=_setting(
         "paged, or a contiguous baseline: contiguous-max, contiguous-pow2, contiguous-oracle", cli=False,
         vllm="pagedserve only (benchmark baselines)"))
 
-    max_num_seqs: int = field(default=256, metadata=_setting("most requests in one step"))
-    max_num_batched_tokens: int = field(default=2048, metadata=_setting("token budget of one step"))
-    enable_chunked_prefill: bool = field(default=True, metadata=_setting(
+    max_num_seqs: int = field(default=_default(SchedulerConfig, "max_num_seqs"), metadata=_setting("most requests in one step"))
+    max_num_batched_tokens: int = field(default=_default(SchedulerConfig, "max_num_batched_tokens"), metadata=_setting("token budget of one step"))
+    enable_chunked_prefill: bool = field(default=_default(SchedulerConfig, "enable_chunked_prefill"), metadata=_setting(
         "split long prompts over several steps"))
-    preemption_mode: str = field(default="auto", metadata=_setting(
+    preemption_mode: str = field(default=_default(SchedulerConfig, "preemption_mode"), metadata=_setting(
         "how to preempt under memory pressure (auto: swap when copying is cheaper)",
-        choices=("recompute", "swap", "auto"), vllm="pagedserve only (vLLM v1 always recomputes)"))
-    scheduling_policy: str = field(default="fcfs", metadata=_setting(
+        choices=PREEMPTION_MODES, vllm="pagedserve only (vLLM v1 always recomputes)"))
+    scheduling_policy: str = field(default=_default(SchedulerConfig, "scheduling_policy"), metadata=_setting(
         "fcfs, or priority: requests with lower `priority` values are admitted first and "
-        "preempted last (first come first served within a priority)", choices=("fcfs", "priority")))
-    batching: str = field(default="continuous", metadata=_setting(
+        "preempted last (first come first served within a priority)", choices=SCHEDULING_POLICIES))
+    batching: str = field(default=_default(SchedulerConfig, "batching"), metadata=_setting(
         "continuous, or a baseline: static, dynamic", cli=False, vllm="pagedserve only (benchmark baselines)"))
-    batch_window_s: float = field(default=0.05, metadata=_setting(
+    batch_window_s: float = field(default=_default(SchedulerConfig, "batch_window_s"), metadata=_setting(
         "dynamic batching's longest wait for a partial batch", cli=False,
         vllm="pagedserve only (benchmark baselines)"))
 
     enable_lora: bool = field(default=False, metadata=_setting(
         "serve PEFT LoRA adapters on the base model", group="LoRA adapters"))
-    max_loras: int = field(default=4, metadata=_setting(
+    max_loras: int = field(default=_default(LoRAConfig, "max_loras"), metadata=_setting(
         "adapters resident in the KV memory pool at once", group="LoRA adapters"))
-    max_lora_rank: int = field(default=64, metadata=_setting(
+    max_lora_rank: int = field(default=_default(LoRAConfig, "max_lora_rank"), metadata=_setting(
         "largest adapter rank accepted", group="LoRA adapters"))
-    max_cpu_loras: int | None = field(default=None, metadata=_setting(
+    max_cpu_loras: int | None = field(default=_default(LoRAConfig, "max_cpu_loras"), metadata=_setting(
         "adapters kept in the host cache (default max(max_loras, 16))", group="LoRA adapters"))
-    lora_dtype: str = field(default="auto", metadata=_setting(
+    lora_dtype: str = field(default=_default(LoRAConfig, "lora_dtype"), metadata=_setting(
         "adapters' dtype in the KV pool (auto: the model's; bfloat16 halves their memory)",
-        group="LoRA adapters", choices=("auto", "float32", "bfloat16")))
+        group="LoRA adapters", choices=LORA_DTYPES))
     speculative_config: Any = field(default=None, metadata=_setting(
         "speculative decoding, vLLM's JSON form: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' or '{\"model\": \"/path/draft\", "
@@ -241,7 +260,7 @@ class EngineArgs:
     data_parallel_size: int = field(default=1, metadata=_setting(
         "engine replicas behind one endpoint (each a full engine; needs "
         "--distributed-executor-backend ray)", group="distributed", aliases=("-dp",)))
-    tensor_parallel_size: int = field(default=1, metadata=_setting(
+    tensor_parallel_size: int = field(default=_default(ParallelConfig, "tensor_parallel_size"), metadata=_setting(
         "split one model over N ranks: rank 0 in the engine process, N-1 worker processes it starts "
         "(torch.distributed: gloo on CPU, NCCL on CUDA); heads, MLP and vocabulary are sharded",
         group="distributed", aliases=("-tp",),
@@ -258,7 +277,7 @@ class EngineArgs:
              "compile_timeout_s"))
     guided_decoding_backend: str | None = field(default=None, metadata=_setting(
         "the structured outputs backend alone (vLLM's older flag)", group="structured outputs",
-        choices=("auto", "llguidance", "xgrammar"), vllm="same (vLLM <= 0.10)"))
+        choices=STRUCTURED_OUTPUT_BACKENDS, vllm="same (vLLM <= 0.10)"))
 
     compilation_config: Any = field(default=None, metadata=_setting(
         "torch.compile over the decode forward, vLLM's form: a level (0 eager, the default; 3 "
@@ -330,17 +349,6 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """The frozen config; each component validates its own fields (ValueError names one)."""
-        from pagedserve.compilation.config import CompilationConfig
-        from pagedserve.config import (
-            CacheConfig,
-            EngineConfig,
-            LoRAConfig,
-            ModelConfig,
-            ParallelConfig,
-            SchedulerConfig,
-        )
-        from pagedserve.spec_decode.config import SpeculativeConfig
-
         if self.model is None:
             raise ValueError("model: no model given")
         if self.swap_space < 0:
@@ -397,8 +405,6 @@ class EngineArgs:
         )
 
     def _structured_outputs_config(self) -> Any:
-        from pagedserve.config import StructuredOutputsConfig
-
         config = StructuredOutputsConfig.from_value(self.structured_outputs_config)
         backend = self.guided_decoding_backend
         if backend is not None and backend != config.backend:

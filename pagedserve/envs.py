@@ -32,6 +32,10 @@ fails the engine's construction (`cpp_build.KernelUnavailable`); unset, a fallba
                                    step after this long (a rank that dies fails it at once)
     LRU_CACHE_CAPACITY,            PyTorch's and oneDNN's per-shape primitive caches; `pagedserve`
     ONEDNN_PRIMITIVE_CACHE_CAPACITY  sets both to 64 unless exported (see bound_native_caches)
+    PAGEDSERVE_CACHE_DIR           where models, adapters and kernels are cached (default
+                                   ~/.cache/pagedserve)
+    VLLM_API_KEY,                  the server's key when --api-key is not given (vLLM's
+    PAGEDSERVE_API_KEY             variable first); also the key `pagedserve chat` sends
     TORCH_EXTENSIONS_DIR           build cache for C++ extensions (torch's own variable);
                                    unset: ~/.cache/pagedserve/torch_extensions
 """
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Literal
+from typing import Literal, get_args
 
 
 def _choice(variable: str, options: tuple[str, ...]) -> str | None:
@@ -58,7 +62,7 @@ def _choice(variable: str, options: tuple[str, ...]) -> str | None:
 
 
 AttentionBackendName = Literal["torch", "cpp"]
-_ATTENTION_BACKENDS: tuple[AttentionBackendName, ...] = ("torch", "cpp")
+_ATTENTION_BACKENDS: tuple[AttentionBackendName, ...] = get_args(AttentionBackendName)
 
 
 def attention_backend() -> AttentionBackendName | None:
@@ -67,7 +71,7 @@ def attention_backend() -> AttentionBackendName | None:
 
 
 CpuGemmName = Literal["onednn", "torch"]
-_CPU_GEMMS: tuple[CpuGemmName, ...] = ("onednn", "torch")
+_CPU_GEMMS: tuple[CpuGemmName, ...] = get_args(CpuGemmName)
 
 
 def cpu_gemm() -> CpuGemmName | None:
@@ -76,7 +80,7 @@ def cpu_gemm() -> CpuGemmName | None:
 
 
 FusedOpsName = Literal["cpp", "torch"]
-_FUSED_OPS: tuple[FusedOpsName, ...] = ("cpp", "torch")
+_FUSED_OPS: tuple[FusedOpsName, ...] = get_args(FusedOpsName)
 
 
 def fused_ops() -> FusedOpsName | None:
@@ -85,7 +89,7 @@ def fused_ops() -> FusedOpsName | None:
 
 
 GemvName = Literal["cpp", "off"]
-_GEMV: tuple[GemvName, ...] = ("cpp", "off")
+_GEMV: tuple[GemvName, ...] = get_args(GemvName)
 
 
 def gemv() -> GemvName | None:
@@ -95,7 +99,7 @@ def gemv() -> GemvName | None:
 
 
 DecoderLoopName = Literal["cpp", "off"]
-_DECODER_LOOP: tuple[DecoderLoopName, ...] = ("cpp", "off")
+_DECODER_LOOP: tuple[DecoderLoopName, ...] = get_args(DecoderLoopName)
 
 
 def decoder_loop() -> DecoderLoopName | None:
@@ -105,7 +109,7 @@ def decoder_loop() -> DecoderLoopName | None:
 
 
 IsaName = Literal["native", "avx2", "portable"]
-ISAS: tuple[IsaName, ...] = ("native", "avx2", "portable")
+ISAS: tuple[IsaName, ...] = get_args(IsaName)
 
 
 def isa() -> IsaName:
@@ -114,7 +118,7 @@ def isa() -> IsaName:
 
 
 HugePagesName = Literal["on", "off"]
-_HUGE_PAGES: tuple[HugePagesName, ...] = ("on", "off")
+_HUGE_PAGES: tuple[HugePagesName, ...] = get_args(HugePagesName)
 
 
 def huge_pages() -> HugePagesName | None:
@@ -132,6 +136,20 @@ def tp_timeout_s() -> float:
     if seconds <= 0:
         raise ValueError(f"PAGEDSERVE_TP_TIMEOUT_S must be > 0; got {value!r}")
     return seconds
+
+
+def cache_dir() -> pathlib.Path:
+    """``$PAGEDSERVE_CACHE_DIR`` if set, else ``~/.cache/pagedserve``."""
+    value = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    return pathlib.Path(value).expanduser() if value else pathlib.Path.home() / ".cache" / "pagedserve"
+
+
+def api_key() -> str | None:
+    """The API key from the environment ($VLLM_API_KEY, else $PAGEDSERVE_API_KEY), or None."""
+    for variable in ("VLLM_API_KEY", "PAGEDSERVE_API_KEY"):
+        if os.environ.get(variable):
+            return os.environ[variable]
+    return None
 
 
 def torch_extensions_dir() -> pathlib.Path:

@@ -29,12 +29,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from pagedserve.config import BATCHING_POLICIES
 from pagedserve.core.protocols import AdapterResidency, KVManager
 from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.core.scheduler import PreemptionPolicy, Scheduler, SchedulerLimits
 from pagedserve.request import Request
 
-BATCH_POLICIES = ("static", "dynamic")
+BATCH_POLICIES = tuple(p for p in BATCHING_POLICIES if p != "continuous")
 
 
 class BatchScheduler(Scheduler):

@@ -34,10 +34,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pagedserve.config import KV_ALLOCATIONS
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.request import Request
 
-CONTIGUOUS_KINDS = ("contiguous-max", "contiguous-pow2", "contiguous-oracle")
+CONTIGUOUS_KINDS = tuple(k for k in KV_ALLOCATIONS if k.startswith("contiguous-"))
 
 
 class ExtentPool:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.config import BATCHING_POLICIES, KV_ALLOCATIONS, CacheConfig, SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.protocols import AdapterResidency, KVManager
 from pagedserve.core.scheduler import PreemptionPolicy, Scheduler, SchedulerLimits
@@ -19,8 +19,6 @@ from pagedserve.core.scheduler import PreemptionPolicy, Scheduler, SchedulerLimi
 if TYPE_CHECKING:
     from pagedserve.core.contiguous import ContiguousKVCacheManager
 
-KV_ALLOCATIONS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
-BATCHING_POLICIES = ("continuous", "static", "dynamic")
 
 
 def build_kv_manager(

@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pagedserve.config import PREEMPTION_MODES, SCHEDULING_POLICIES, SchedulerConfig
 from pagedserve.core.protocols import AdapterResidency, KVManager, Residency
 from pagedserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagedserve.request import Request, RequestStatus
@@ -51,24 +52,24 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # or "priority"
+    policy: str = SchedulerConfig.scheduling_policy  # one of SCHEDULING_POLICIES
 
     def __post_init__(self) -> None:
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; got {self.policy!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class PreemptionPolicy:
-    mode: str = "recompute"  # "recompute" | "swap" | "auto"
+    mode: str = SchedulerConfig.preemption_mode  # one of PREEMPTION_MODES
     # The cost model behind "auto", in seconds: recomputing one token's K/V, and copying
     # one block to the host and back.
     recompute_s_per_token: float = 1e-3
     swap_s_per_block: float = 1e-5
 
     def __post_init__(self) -> None:
-        if self.mode not in ("recompute", "swap", "auto"):
-            raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.mode!r}")
+        if self.mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; got {self.mode!r}")
 
 
 @dataclass(slots=True)

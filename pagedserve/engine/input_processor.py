@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pagedserve.config import SchedulerConfig
 from pagedserve.entrypoints import chat_utils
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
@@ -78,7 +79,7 @@ class InputProcessor:
         max_model_len: int,
         eos_token_ids: list[int],
         sampling_defaults: dict[str, Any] | None = None,
-        scheduling_policy: str = "fcfs",
+        scheduling_policy: str = SchedulerConfig.scheduling_policy,
         hidden_size: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer

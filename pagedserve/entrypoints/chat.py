@@ -8,9 +8,10 @@ Reads one user message per line from stdin, streams the assistant's answer from
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any, TextIO
+
+from pagedserve import envs
 
 
 def add_chat_parser(sub: Any) -> argparse.ArgumentParser:
@@ -18,7 +19,7 @@ def add_chat_parser(sub: Any) -> argparse.ArgumentParser:
                             description="Chat with a running pagedserve (or any OpenAI-compatible) server.")
     parser.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's API base URL")
     parser.add_argument("--model-name", default=None, help="the model to ask (default: the server's first)")
-    parser.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY") or "EMPTY",
+    parser.add_argument("--api-key", default=envs.api_key() or "EMPTY",
                         help="bearer key (default: $PAGEDSERVE_API_KEY)")
     parser.add_argument("--system-prompt", default=None, help="a system message opening the conversation")
     parser.add_argument("--max-tokens", type=int, default=None, help="longest answer in tokens")

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.config import GROUP_SIZES
 from pagedserve.dtypes import cpu_has_native_bf16
 from pagedserve.quantization import gemv
 from pagedserve.quantization.base import LinearCall, LinearMethod, add_bias, linear_call
@@ -51,7 +52,7 @@ from pagedserve.quantization.base import LinearCall, LinearMethod, add_bias, lin
 logger = logging.getLogger(__name__)
 
 COMPUTE_DTYPE = torch.bfloat16
-KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+KERNEL_GROUP_SIZES = GROUP_SIZES
 
 
 def int4_group_size(input_size: int, group_size: int) -> int | None:

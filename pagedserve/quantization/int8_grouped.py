@@ -40,13 +40,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.config import GROUP_SIZES, QUANTIZATION_ACTIVATIONS
 from pagedserve.quantization import gemv
 from pagedserve.quantization.base import LinearCall, LinearMethod, add_bias, linear_call
 from pagedserve.quantization.packed import onednn_packs
 
 SCALE_DTYPE = torch.float16
-GROUP_SIZES = (32, 64, 128, 256)
-ACTIVATIONS = ("int8", "none")  # int8: rounded per block of 32 in decode steps; none: weight-only
+# int8: rounded per block of 32 in decode steps; none: weight-only ("auto" is resolved above us).
+ACTIVATIONS = tuple(a for a in QUANTIZATION_ACTIVATIONS if a != "auto")
 _BLOCK_ELEMS = 1 << 20  # dequantized weights per block of output rows
 
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagedserve import envs
 from pagedserve.server.limits import (
     DEFAULT_HEADER_TIMEOUT_S,
     header_timeout_protocol,
@@ -91,6 +92,7 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
         sampling_defaults=sampling_defaults,
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
         request_fields=RequestFields(strict=getattr(args, "strict_request_fields", False)),
     )
 
@@ -99,10 +101,8 @@ def api_keys(flag: list[str] | None) -> list[str] | None:
     """--api-key's keys, else $VLLM_API_KEY, else $PAGEDSERVE_API_KEY (None: no auth)."""
     if flag:
         return list(flag)
-    for variable in ("VLLM_API_KEY", "PAGEDSERVE_API_KEY"):
-        if os.environ.get(variable):
-            return [os.environ[variable]]
-    return None
+    key = envs.api_key()
+    return [key] if key else None
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

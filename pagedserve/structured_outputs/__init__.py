@@ -5,10 +5,10 @@ manager.py (compile in a worker thread, cached; one matcher per sequence),
 bitmask.py (apply a step's token bitmask to the logits).
 """
 
+from pagedserve.config import DEFAULT_STRUCTURED_OUTPUT_BACKEND as DEFAULT_BACKEND
 from pagedserve.structured_outputs.backend import GrammarError
 from pagedserve.structured_outputs.manager import (
     BACKENDS,
-    DEFAULT_BACKEND,
     RequestGrammar,
     StructuredOutputManager,
 )

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.config import STRUCTURED_OUTPUT_BACKENDS
 from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.structured_outputs.backend import (
     CompiledGrammar,
@@ -37,8 +38,7 @@ from pagedserve.structured_outputs.backend import (
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("llguidance", "xgrammar")
-DEFAULT_BACKEND = "llguidance"  # chosen by benchmarks/structured.py: see BENCHMARKS.md
+BACKENDS = tuple(b for b in STRUCTURED_OUTPUT_BACKENDS if b != "auto")
 _CACHE_SIZE = 512
 # Grammar compilations at once: a slow one (a huge choice list, a deep schema) holds one.
 COMPILE_WORKERS = 4

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from pagedserve.config import KV_CACHE_DTYPES
 from pagedserve.quantization.kv_int8 import row_bytes
 from pagedserve.worker import huge_pages
-
-KV_CACHE_DTYPES = ("auto", "int8")
 
 # Default share of the host's available memory given to the KV cache on CPU, and its cap:
 # the weights, activations and the Python process need the rest.
