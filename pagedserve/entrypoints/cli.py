@@ -52,6 +52,7 @@ DEFAULT_KEEP_ALIVE_S = 5.0
 
 
 def _serve_parser(sub: Any) -> argparse.ArgumentParser:
+    from pagedserve.server.response_store import DEFAULT_MAX_STORED_RESPONSES
     from pagedserve.tool_parsers import TOOL_PARSERS
 
     parser = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
@@ -115,6 +116,10 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
                        help="answer 400 to a request field the server does not know (default: accept it and "
                             "log it once; fields that would change the output and are not implemented are "
                             "refused either way)")
+    group.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES, metavar="N",
+                       help="/v1/responses with store (the default): keep this many responses in memory for "
+                            "previous_response_id, evicting the oldest first (default "
+                            f"{DEFAULT_MAX_STORED_RESPONSES}; 0 stores none)")
     group.add_argument("--enable-server-load-tracking", action="store_true",
                        help="accepted for vLLM compatibility: GET /load always reports the requests in flight")
     group.add_argument("--max-queue-len", type=int, default=None,

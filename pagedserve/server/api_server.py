@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLMEngine.
 
     /v1/completions /v1/chat/completions /v1/embeddings /v1/models
+    /v1/responses /v1/responses/{id}  /v1/messages /v1/messages/count_tokens
     /tokenize /detokenize /load /metrics /v1/stats      (the key, when an API key is set)
     /health /ping /version  /  /playground/...  /docs   (public: no work, no data)
 
@@ -62,10 +63,13 @@ from pagedserve.server.protocol import (
     TokenizeResponse,
     now_s,
 )
+from pagedserve.server.protocol_responses import ResponsesRequest
+from pagedserve.server.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from pagedserve.server.serving_chat import create_chat_completion, render_chat
 from pagedserve.server.serving_common import ServerContext
 from pagedserve.server.serving_completion import create_completion
 from pagedserve.server.serving_embedding import create_embedding
+from pagedserve.server.serving_responses import create_response, retrieve
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +148,17 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
 @v1.post("/chat/completions", responses={**_streamed(ChatCompletionResponse, ChatCompletionChunk), **GENERATE_ERRORS})
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await create_chat_completion(checked_ctx(request, body), body, request)
+
+
+@v1.post("/responses", responses={**_streamed(dict, dict), **GENERATE_ERRORS})
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    """OpenAI's Responses API (serving_responses.py), served by the chat pipeline."""
+    return await create_response(checked_ctx(request, body), request.app.state.response_store, body, request)
+
+
+@v1.get("/responses/{response_id}", responses=_errors(401, 404))
+async def get_response(response_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(retrieve(request.app.state.response_store, response_id))
 
 
 @v1.get("/models", responses=_errors(401))
@@ -263,7 +278,7 @@ class ServerLoad:
     """vLLM's server load: HTTP generation requests from arrival until their response (a
     stream: its last byte) has been sent."""
 
-    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/messages")
 
     def __init__(self) -> None:
         self.value = 0
@@ -317,6 +332,7 @@ class HTTPOptions:
     public_metrics: bool = False  # /metrics without the API key (for a scraper that has none)
     # Request bodies past this many bytes are a 413 (None: limits.default_body_limit).
     max_request_body_bytes: int | None = None
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES  # /v1/responses' store
 
     @classmethod
     def from_cli_args(cls, args: Any) -> HTTPOptions:
@@ -331,6 +347,7 @@ class HTTPOptions:
             log_requests=getattr(args, "enable_log_requests", False),
             public_metrics=getattr(args, "public_metrics", False),
             max_request_body_bytes=getattr(args, "max_request_body_bytes", None),
+            max_stored_responses=getattr(args, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES),
         )
 
 
@@ -357,6 +374,7 @@ def build_app(ctx: ServerContext, options: HTTPOptions | None = None) -> FastAPI
         install_docs(app)
     app.state.ctx = ctx
     app.state.http_options = options
+    app.state.response_store = ResponseStore(options.max_stored_responses)
     app.add_middleware(
         CORSMiddleware, allow_origins=list(options.allowed_origins), allow_methods=list(options.allowed_methods),
         allow_headers=list(options.allowed_headers), allow_credentials=options.allow_credentials,

@@ -31,6 +31,7 @@ KEYED = [
     ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent"}),
     ("POST", "/v1/unload_lora_adapter", {"lora_name": "x"}),
     ("GET", "/v1/stats", None),
+    ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2}), ("GET", "/v1/responses/resp_x", None),
     ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [5]}),
     ("GET", "/load", None), ("GET", "/metrics", None),
 ]
@@ -58,7 +59,8 @@ def test_every_route_is_in_the_matrix(server: LiveServer) -> None:
 
     app = build_app(server.ctx)
     paths = {getattr(route, "path", None) for route in app.routes} - {None, "/docs/oauth2-redirect", "/redoc"}
-    listed = {p for _, p, _ in PUBLIC + KEYED} | {"/playground", "/docs-assets", "/v1/models/{model_id}"}
+    listed = {p for _, p, _ in PUBLIC + KEYED} | {"/playground", "/docs-assets", "/v1/models/{model_id}",
+                                               "/v1/responses/{response_id}"}
     assert paths <= listed, sorted(paths - listed)
 
 
