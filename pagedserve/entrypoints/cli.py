@@ -52,6 +52,7 @@ DEFAULT_KEEP_ALIVE_S = 5.0
 
 
 def _serve_parser(sub: Any) -> argparse.ArgumentParser:
+    from pagedserve.reasoning import REASONING_PARSERS
     from pagedserve.server.response_store import DEFAULT_MAX_STORED_RESPONSES
     from pagedserve.tool_parsers import TOOL_PARSERS
 
@@ -112,6 +113,9 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="format of the model's tool calls (hermes: <tool_call>{...}</tool_call>, as "
                             "Qwen2.5 / Hermes / SmolLM; use a --chat-template that renders tools)")
+    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split a reasoning model's thinking out of the content into message.reasoning_content "
+                            "(deepseek_r1, qwen3, or think: a <think>...</think> block)")
     group.add_argument("--strict-request-fields", action="store_true",
                        help="answer 400 to a request field the server does not know (default: accept it and "
                             "log it once; fields that would change the output and are not implemented are "

@@ -402,6 +402,10 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # Reaches the chat template as a variable (gpt-oss-style templates read it).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # vLLM: false leaves the reasoning out of the response (--reasoning-parser still splits it off).
+    include_reasoning: bool = True
 
 
 class TokenizeCompletionRequest(StrictRequest):
@@ -466,10 +470,16 @@ class DetokenizeResponse(BaseModel):
 # ---- responses ---------------------------------------------------------------------------
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Chat with --reasoning-parser: how many completion tokens were reasoning.
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -536,12 +546,17 @@ class DeltaToolCallOut(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str | None = None
     content: str | None = None
+    # --reasoning-parser: the reasoning, under vLLM's older name and its newer one.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatDeltaOut(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCallOut] | None = None
 
 

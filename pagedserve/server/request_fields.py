@@ -43,7 +43,6 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "web_search_options": (f"web search {_NOT_IMPLEMENTED}", ()),
     "functions": (f"the deprecated functions API {_NOT_IMPLEMENTED}; send tools", ()),
     "function_call": (f"the deprecated functions API {_NOT_IMPLEMENTED}; send tool_choice", ()),
-    "reasoning_effort": ("reasoning_effort does not reach chat templates yet (issue #37.2)", ()),
     "verbosity": (f"verbosity {_NOT_IMPLEMENTED}", ()),
     "stream_options.continuous_usage_stats": (f"usage in every chunk {_NOT_IMPLEMENTED}", (False,)),
     # vLLM's sampling and prompt extras

@@ -13,6 +13,9 @@ from starlette.background import BackgroundTask
 
 from pagedserve.engine.async_engine import RequestGroup
 from pagedserve.outputs import CompletionOutput, Logprob
+from pagedserve.reasoning import get_reasoning_parser
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.chat_output import ChoiceStream, OutputParsing
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import (
     ChatChoice,
@@ -23,6 +26,7 @@ from pagedserve.server.protocol import (
     ChatDeltaOut,
     ChatLogprobs,
     ChatMessageOut,
+    CompletionTokensDetails,
     DeltaFunctionCall,
     DeltaToolCallOut,
     FunctionCall,
@@ -48,7 +52,8 @@ from pagedserve.server.serving_common import (
     submit,
     token_text,
 )
-from pagedserve.server.tool_calls import ToolMode, ToolStream
+from pagedserve.server.tool_calls import ToolMode
+from pagedserve.structured_outputs.reasoning import after_reasoning
 
 
 class TokenizeRequestLike(Protocol):
@@ -56,6 +61,17 @@ class TokenizeRequestLike(Protocol):
     add_generation_prompt: bool
     continue_final_message: bool
     chat_template_kwargs: dict[str, Any] | None
+
+
+def template_kwargs(ctx: ServerContext, body: Any) -> dict[str, Any]:
+    """The template's extra variables: --default-chat-template-kwargs, then the request's
+    chat_template_kwargs key by key; reasoning_effort, when sent, reaches the template too
+    (templates that read it: gpt-oss's); an explicit chat_template_kwargs entry wins."""
+    kwargs = dict(ctx.default_chat_template_kwargs)
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is not None:
+        kwargs["reasoning_effort"] = effort
+    return {**kwargs, **(getattr(body, "chat_template_kwargs", None) or {})}
 
 
 async def render_chat(ctx: ServerContext, body: ChatCompletionRequest | TokenizeRequestLike) -> tuple[str, list[int]]:
@@ -69,7 +85,7 @@ async def render_chat(ctx: ServerContext, body: ChatCompletionRequest | Tokenize
     return await ctx.process_off_loop(body, lambda: processor.render_chat(  # type: ignore[arg-type]
         messages, chat_template=ctx.chat_template, tools=tools, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
-        chat_template_kwargs={**ctx.default_chat_template_kwargs, **(body.chat_template_kwargs or {})},
+        chat_template_kwargs=template_kwargs(ctx, body),
         chat_template_content_format=ctx.chat_template_content_format,
         require_tools=getattr(body, "tool_choice", None) != "none",
     ))
@@ -82,7 +98,9 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     lora = ctx.lora_for(model)
     _check_fields(body)
     tools = ToolMode.for_request(ctx, body)
-    _, prompt_ids = await render_chat(ctx, body)
+    prompt_text, prompt_ids = await render_chat(ctx, body)
+    parsing = OutputParsing(tools, get_reasoning_parser(ctx.reasoning_parser) if ctx.reasoning_parser else None,
+                            prompt_text, template_kwargs(ctx, body))
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = make_params(body, max_tokens, logprobs, ctx.sampling_defaults)
@@ -94,6 +112,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
                            "tool_choice")
         params = dataclasses.replace(params, structured_outputs=tools.constraint)
         param = "tools"
+    params = _constrain_after_reasoning(ctx, params, parsing)
     await compile_constraint(ctx, params, param)
     prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids}
     inputs = await process(ctx, body, [prompt], params, max_tokens, "messages")
@@ -101,12 +120,27 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     request_id = random_id("chatcmpl")
     if body.stream:
         return StreamingResponse(
-            _stream(body, model, request_id, len(prompt_ids), group, tools),
+            _stream(body, model, request_id, len(prompt_ids), group, parsing),
             media_type="text/event-stream",
             background=BackgroundTask(group.abort),
         )
     collected = await collect(group, raw_request, body.n)
-    return JSONResponse(_response(body, model, request_id, prompt_ids, collected, tools).model_dump())
+    return JSONResponse(_response(body, model, request_id, prompt_ids, collected, parsing).model_dump())
+
+
+def _constrain_after_reasoning(ctx: ServerContext, params: SamplingParams, parsing: OutputParsing) -> SamplingParams:
+    """With --reasoning-parser, a constraint (response_format, structured_outputs, a forced
+    tool call) applies after the reasoning: the grammar lets the reasoning block through
+    first (llguidance only; under xgrammar it applies from the first token)."""
+    parser = parsing.reasoning_parser()
+    spec = params.structured_outputs
+    manager = ctx.engine.structured_outputs
+    if parser is None or spec is None or manager is None or not parser.enabled:
+        return params
+    if manager.backend_name != "llguidance":
+        return params
+    return dataclasses.replace(params, structured_outputs=after_reasoning(spec, parser.start, parser.end,
+                                                                          parser.opened))
 
 
 def _check_fields(body: ChatCompletionRequest) -> None:
@@ -140,27 +174,34 @@ def _top(text: str, logprob: Logprob) -> TopLogprob:
     return TopLogprob(token=text, logprob=json_logprob(logprob.logprob), bytes=list(text.encode()))
 
 
-def _usage(num_prompt_tokens: int, completion_tokens: int) -> Usage:
+def _usage(num_prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> Usage:
     return Usage(
         prompt_tokens=num_prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=num_prompt_tokens + completion_tokens,
+        completion_tokens_details=(CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+                                   if reasoning_tokens is not None else None),
     )
 
 
 def _response(
     body: ChatCompletionRequest, model: str, request_id: str, prompt_ids: list[int], collected: Collected,
-    tools: ToolMode,
+    parsing: OutputParsing,
 ) -> ChatCompletionResponse:
     choices = []
+    reasoning_tokens = 0
     for index, state in enumerate(collected.choices):
-        content, calls = tools.extract(state.full_text)
+        parsed = parsing.parse(state.text, state.token_counts)
+        calls = parsed.tool_calls
+        reasoning_tokens += parsed.reasoning_tokens
+        reasoning = parsed.reasoning if body.include_reasoning else None
         finish_reason = state.finish_reason
-        if calls and finish_reason == "stop" and tools.choice != "named":
+        if calls and finish_reason == "stop" and parsing.tools.choice != "named":
             finish_reason = "tool_calls"
         choices.append(ChatChoice(
             index=index,
-            message=ChatMessageOut(role="assistant", content=content, tool_calls=[
+            message=ChatMessageOut(role="assistant", content=parsed.content, reasoning_content=reasoning,
+                                   reasoning=reasoning, tool_calls=[
                 ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
             ] if calls else None),
             logprobs=_logprobs(state.logprobs, state.token_ids, body.top_logprobs or 0,
@@ -169,7 +210,8 @@ def _response(
             stop_reason=state.stop_reason,
             token_ids=state.token_ids if body.return_token_ids else None,
         ))
-    usage = _usage(len(prompt_ids), collected.num_generated_tokens)
+    usage = _usage(len(prompt_ids), collected.num_generated_tokens,
+                   reasoning_tokens if parsing.reasoning is not None else None)
     return ChatCompletionResponse(
         id=request_id, model=model, choices=choices, usage=usage,
         prompt_token_ids=prompt_ids if body.return_token_ids else None,
@@ -177,19 +219,21 @@ def _response(
 
 
 def _chunk_choice(
-    body: ChatCompletionRequest, index: int, completion: CompletionOutput, stream: ToolStream
+    body: ChatCompletionRequest, index: int, completion: CompletionOutput, stream: ChoiceStream
 ) -> ChatChunkChoice:
     logprobs = None
     if body.logprobs:
         logprobs = _logprobs(completion.logprobs or [], completion.token_ids, body.top_logprobs or 0,
                              body.return_tokens_as_token_ids)
-    content, calls = stream.feed(completion.text, completion.finish_reason is not None)
+    delta = stream.feed(completion.text, len(completion.token_ids), completion.finish_reason is not None)
+    calls = delta.tool_calls
+    reasoning = delta.reasoning if body.include_reasoning else None
     finish_reason = completion.finish_reason
-    if stream.num_calls and finish_reason == "stop" and stream.mode.choice != "named":
+    if stream.num_calls and finish_reason == "stop" and stream.tools.mode.choice != "named":
         finish_reason = "tool_calls"
     return ChatChunkChoice(
         index=index,
-        delta=ChatDeltaOut(content=content, tool_calls=[
+        delta=ChatDeltaOut(content=delta.content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=[
             DeltaToolCallOut(index=c.index, id=c.id, type="function" if c.id is not None else None,
                              function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
             for c in calls
@@ -203,13 +247,13 @@ def _chunk_choice(
 
 async def _stream(
     body: ChatCompletionRequest, model: str, request_id: str, num_prompt_tokens: int, group: RequestGroup,
-    tools: ToolMode,
+    parsing: OutputParsing,
 ) -> AsyncIterator[str]:
     def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> str:
         return sse(ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage))
 
     completion_tokens = 0
-    streams = [tools.stream() for _ in range(body.n)]
+    streams = [parsing.stream() for _ in range(body.n)]
     try:
         # OpenAI's first chunk of each choice carries only the role.
         yield chunk([ChatChunkChoice(index=i, delta=ChatDeltaOut(role="assistant", content=""))
@@ -223,7 +267,8 @@ async def _stream(
                     yield chunk([_chunk_choice(body, index, completion, streams[index])])
                     check_not_failed(completion)
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield chunk([], _usage(num_prompt_tokens, completion_tokens))
+            reasoning_tokens = sum(s.reasoning_tokens for s in streams) if parsing.reasoning is not None else None
+            yield chunk([], _usage(num_prompt_tokens, completion_tokens, reasoning_tokens))
     except Exception as exc:  # noqa: BLE001 - reported in-band: the 200 is already sent
         yield sse_error(exc)
     yield SSE_DONE

@@ -68,6 +68,8 @@ class ServerContext:
     # tool_choice "auto": parse the model's text into tool_calls with this parser.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # --reasoning-parser: reasoning text out of chat content (pagedserve/reasoning/).
+    reasoning_parser: str | None = None
     # What an undeclared request field gets (--strict-request-fields: a 400).
     request_fields: RequestFields = field(default_factory=RequestFields)
 
@@ -209,6 +211,7 @@ class ChoiceState:
 
     prompt_token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    token_counts: list[int] = field(default_factory=list)  # tokens of each piece of `text`
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -218,6 +221,7 @@ class ChoiceState:
     def add(self, output: RequestOutput, completion: CompletionOutput) -> None:
         self.prompt_token_ids = output.prompt_token_ids
         self.text.append(completion.text)
+        self.token_counts.append(len(completion.token_ids))
         self.token_ids.extend(completion.token_ids)
         self.logprobs.extend(completion.logprobs or ())
         if output.prompt_logprobs is not None:

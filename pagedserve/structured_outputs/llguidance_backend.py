@@ -17,6 +17,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.structured_outputs.backend import GrammarError, is_gbnf
+from pagedserve.structured_outputs.schema import close_objects, json_options
 
 # Resource limits: a schema past these is a 400 at compile time, not a slow step later.
 _LIMITS = llguidance.LLParserLimits(max_grammar_size=200_000, step_max_items=50_000)
@@ -85,14 +86,9 @@ class LLGuidanceBackend:
         try:
             if kind in ("json", "json_object"):
                 schema = params.json if kind == "json" else {"type": "object"}
-                options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
-                if params.disable_any_whitespace:
-                    options.update(item_separator=",", key_separator=":")
-                else:
-                    options.update(item_separator=", ", key_separator=": ")
-                if isinstance(schema, str):
-                    schema = json.loads(schema)
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+                # Undeclared keys are refused unless the schema allows them (schema.py).
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    close_objects(schema), defaults=json_options(params.disable_any_whitespace))  # type: ignore[arg-type]
             if kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(params.regex or "")
             if kind == "choice":
