@@ -40,6 +40,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -47,6 +48,9 @@ ARCHITECTURES = {
 # llama.cpp's model sizes whose attention scale is 1/sqrt(hidden / heads) rather than
 # 1/sqrt(head_dim): the 27B models, told apart by block count (llama-model.cpp, LLM_TYPE_27B).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# Architectures whose experts are stacked 3-D tensors (blk.N.ffn_gate_exps, ...); they load
+# dequantized (the raw-block methods take 2-D linear weights).
+STACKED_EXPERT_ARCHS = ("qwen3moe",)
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # The types `keep_quantized` hands over as raw blocks (a native kernel serves them); every
 # other quantized type is dequantized at load.
@@ -176,6 +180,13 @@ def _derived_config(arch: str, values: dict[str, Any], meta: Any) -> dict[str, A
                 "rope_theta", 10000.0), "partial_rotary_factor": rot / head_dim}
         if meta("attention.sliding_window"):  # every layer windowed, as llama.cpp's phi3
             derived["sliding_window"] = meta("attention.sliding_window")
+    if arch == "qwen3moe":
+        # transformers maps expert_count / expert_used_count (and norm_topk_prob = True, as
+        # llama.cpp's build_moe_ffn call has it) but not the experts' width; llama.cpp's
+        # qwen3moe makes every layer sparse (no mlp_only_layers).
+        if meta("expert_feed_forward_length") is not None:
+            derived["moe_intermediate_size"] = meta("expert_feed_forward_length")
+        derived |= {"decoder_sparse_step": 1, "mlp_only_layers": []}
     if arch in ("gemma2", "gemma3"):
         # The file has no query_pre_attn_scalar: llama.cpp scales by 1/sqrt(head_dim),
         # 1/sqrt(hidden / heads) for the 27B models.
@@ -273,12 +284,16 @@ def iter_gguf_tensors(
     arch = _architecture(reader, path)
     _check_tensor_types(reader, path)
     metadata = _metadata(path)
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=metadata["config"])
+    # transformers' qwen3moe processor keeps the stacked experts in its own dict rather than
+    # returning them; we name them (_gguf_to_hf_names) and pass them through as stored.
+    processor_cls = TensorProcessor if arch in STACKED_EXPERT_ARCHS else TENSOR_PROCESSORS.get(arch, TensorProcessor)
+    processor = processor_cls(config=metadata["config"])
     names = _gguf_to_hf_names(arch, config)
     cost = _DequantCost()
     for tensor in reader.tensors:
         qtype = tensor.tensor_type.name
         raw = qtype in QUANTIZED_TYPES and keep_quantized
+        raw = raw and len(tensor.shape) == 2  # stacked experts (3-D) load dequantized
         start = time.perf_counter()
         data = tensor.data if raw else dequantize(tensor.data, tensor.tensor_type)
         # Llama's q/k rows were permuted by llama.cpp's converter; the processor undoes it.
@@ -357,4 +372,10 @@ def _gguf_to_hf_names(arch: str, config: PretrainedConfig) -> dict[str, str]:
         gguf_name = table.get_name(stem)
         if gguf_name is not None:
             names[f"{gguf_name}.{suffix}"] = hf_name
+    if arch in STACKED_EXPERT_ARCHS:
+        # ffn_{gate,up,down}_exps: every expert of layer N in one (E, out, in) tensor, named
+        # as one stacked tensor that the model cuts per expert (models/qwen3_moe.py).
+        for i in range(config.num_hidden_layers):
+            for proj in ("gate", "up", "down"):
+                names[f"blk.{i}.ffn_{proj}_exps.weight"] = f"model.layers.{i}.mlp.experts.{proj}_proj.weight"
     return names
