@@ -32,12 +32,16 @@
 // "channel tiles" instead: a vector holds 8 output channels at one k, so a group's partial sums
 // need no horizontal add and its 16 scales are one contiguous load:
 //   gemv_int8_grouped  q (N/16, K, 16) int8:  q[t, k, j] = Q[16 t + j, k]  (1 byte per weight)
-//                      scale (N/16, K/group, 16) float16
+//                      scale (N/16, K/group, 16) float16 or float32, group a multiple of 16
 //                      y = sum_g scale[n, g] * sum_{k in g} x[k] q[n, k]   (+ bias)
+//                      or float32 (N/16, K/group, 2, 16) (s, l0): W = q s + l0 (a GGUF file's
+//                      K-quants and Q5_1 repacked exactly, quantization/gguf_blocks.py), with
+//                      y += l0 * sum_{k in g} x[k] per group as below
 //   gemv_int4_grouped  q (N/16, K, 8) uint8: byte j of (t, k) = Q[16t+j, k] | Q[16t+8+j, k] << 4
 //                      scales_zeros (N/16, K/group, 2, 16) bfloat16: [.., 0, j] scale, [.., 1, j] zero
 //                      W = (Q - 8) * scale + zero (pagedserve's int4), or float16 (d, m):
-//                      W = Q * d + m (a GGUF file's Q4_1 / Q4_0 blocks, exactly). Per group
+//                      W = Q * d + m (a GGUF file's Q4_1 / Q4_0 blocks, exactly), or float32
+//                      (s, l0): W = Q * s + l0 (Q4_K: s = d sc, l0 = -dmin m, exact). Per group
 //                      (llama.cpp's Q4_1 trick), with level 0 = zero - 8 scale or m:
 //                      y = sum_g scale * sum_k x q + level0 * sum_k x  (+ bias)
 // Both: x float32 (bf16 widened), float32 products and sums (the weights' values exactly,
@@ -616,33 +620,15 @@ inline __m256 load_half8(const c10::Half* p) {
 #endif
 }
 
-void int8_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& scale,
-                       const float* bias, at::Tensor& y) {
-  const int64_t M = xf.size(0), K = xf.size(1), tiles = q.size(0), N = tiles * kTile;
-  const int64_t groups = scale.size(1), group = K / groups;
-  const float* xd = xf.data_ptr<float>();
-  const int8_t* qd = q.data_ptr<int8_t>();
-  const auto* sd = reinterpret_cast<const c10::Half*>(scale.data_ptr());
-  const TileOut out(y, bias, N);
-  for_tiles(tiles, K * kTile, M, [&](int64_t t, float* tot) {
-    std::fill(tot, tot + M * kTile, 0.0f);
-    const c10::Half* st = sd + t * groups * kTile;
-    chan_all_rows(xd, M, K, group, ChanI8{qd + t * K * kTile},
-                  [&](int64_t m0, int64_t g, __m256 (*acc)[2], int mt) {
-                    const __m256 s0 = load_half8(st + g * kTile), s1 = load_half8(st + g * kTile + 8);
-                    for (int i = 0; i < mt; ++i) {
-                      float* o = tot + (m0 + i) * kTile;
-                      _mm256_storeu_ps(o, _mm256_fmadd_ps(acc[i][0], s0, _mm256_loadu_ps(o)));
-                      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(acc[i][1], s1, _mm256_loadu_ps(o + 8)));
-                    }
-                  });
-    out.store(tot, M, t);
-  });
-}
+// A group's 16 parameters as two float vectors: float16 (Q8_0 / Q5_0 / IQ4_NL scales, exact)
+// or float32 (a K-quant's d * sub-block scale, exact in float32, not in float16).
+inline void load_param16(const c10::Half* p, __m256& a, __m256& b) { a = load_half8(p); b = load_half8(p + 8); }
+inline void load_param16(const float* p, __m256& a, __m256& b) { a = _mm256_loadu_ps(p); b = _mm256_loadu_ps(p + 8); }
 
 // A group's 16 scales and level-0 values (the weight of q = 0) from its (2, 16) parameters:
 // bfloat16 (scale, zero) of W = (q - 8) scale + zero: level 0 = zero - 8 scale (exact in
-// float32 for bf16 inputs); float16 (d, m) of GGUF's W = q d + m: level 0 = m.
+// float32 for bf16 inputs); float16 (d, m) of GGUF's W = q d + m, or float32 (s, l0) of a
+// K-quant's W = q s + l0 (Q4_K / Q5_K: s = d sc, l0 = -dmin m): level 0 = m / l0.
 inline void group_affine(const bf16* p, __m256& s0, __m256& s1, __m256& l0, __m256& l1) {
   const __m256 eight = _mm256_set1_ps(8.0f);
   s0 = load_bf16x8(p);
@@ -650,11 +636,68 @@ inline void group_affine(const bf16* p, __m256& s0, __m256& s1, __m256& l0, __m2
   l0 = _mm256_fnmadd_ps(eight, s0, load_bf16x8(p + 16));
   l1 = _mm256_fnmadd_ps(eight, s1, load_bf16x8(p + 24));
 }
-inline void group_affine(const c10::Half* p, __m256& s0, __m256& s1, __m256& l0, __m256& l1) {
-  s0 = load_half8(p);
-  s1 = load_half8(p + 8);
-  l0 = load_half8(p + 16);
-  l1 = load_half8(p + 24);
+template <class P>
+inline void group_affine(const P* p, __m256& s0, __m256& s1, __m256& l0, __m256& l1) {
+  load_param16(p, s0, s1);
+  load_param16(p + 16, l0, l1);
+}
+
+// Per row and group: the sum of x over the group (what each group's level 0 multiplies).
+std::vector<float> group_sums(const float* xd, int64_t M, int64_t K, int64_t groups) {
+  const int64_t group = K / groups;
+  std::vector<float> xsum(M * groups, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t k = g * group; k < (g + 1) * group; k += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(xd + m * K + k));
+      xsum[m * groups + g] = hsum8(a);
+    }
+  return xsum;
+}
+
+// Folds a group's partial sums acc (rows m0.., channels 0-7 / 8-15) into the row totals:
+// tot += acc * s (+ l0 * sum_k x when the parameters are affine).
+template <bool Affine>
+inline void fold_group(float* tot, int64_t m0, int64_t g, int64_t groups, __m256 (*acc)[2], int mt,
+                       __m256 s0, __m256 s1, __m256 l0, __m256 l1, const float* xsum) {
+  for (int i = 0; i < mt; ++i) {
+    float* o = tot + (m0 + i) * kTile;
+    __m256 v0 = _mm256_fmadd_ps(acc[i][0], s0, _mm256_loadu_ps(o));
+    __m256 v1 = _mm256_fmadd_ps(acc[i][1], s1, _mm256_loadu_ps(o + 8));
+    if constexpr (Affine) {
+      const __m256 xs = _mm256_set1_ps(xsum[(m0 + i) * groups + g]);
+      v0 = _mm256_fmadd_ps(l0, xs, v0);
+      v1 = _mm256_fmadd_ps(l1, xs, v1);
+    }
+    _mm256_storeu_ps(o, v0);
+    _mm256_storeu_ps(o + 8, v1);
+  }
+}
+
+// Param: c10::Half or float scales (N/16, K/group, 16); Affine: float (s, l0) pairs
+// (N/16, K/group, 2, 16), W = q s + l0 (a GGUF file's Q5_1 / Q5_K, or Q4_K fused beside int8).
+template <class Param, bool Affine>
+void int8_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& scale,
+                       const float* bias, at::Tensor& y) {
+  const int64_t M = xf.size(0), K = xf.size(1), tiles = q.size(0), N = tiles * kTile;
+  const int64_t groups = scale.size(1), group = K / groups, per_group = Affine ? 2 * kTile : kTile;
+  const float* xd = xf.data_ptr<float>();
+  const std::vector<float> xsum = Affine ? group_sums(xd, M, K, groups) : std::vector<float>();
+  const int8_t* qd = q.data_ptr<int8_t>();
+  const auto* sd = reinterpret_cast<const Param*>(scale.data_ptr());
+  const TileOut out(y, bias, N);
+  for_tiles(tiles, K * kTile, M, [&](int64_t t, float* tot) {
+    std::fill(tot, tot + M * kTile, 0.0f);
+    const Param* st = sd + t * groups * per_group;
+    chan_all_rows(xd, M, K, group, ChanI8{qd + t * K * kTile},
+                  [&](int64_t m0, int64_t g, __m256 (*acc)[2], int mt) {
+                    __m256 s0, s1, l0 = _mm256_setzero_ps(), l1 = l0;
+                    if constexpr (Affine) group_affine(st + g * per_group, s0, s1, l0, l1);
+                    else load_param16(st + g * per_group, s0, s1);
+                    fold_group<Affine>(tot, m0, g, groups, acc, mt, s0, s1, l0, l1, xsum.data());
+                  });
+    out.store(tot, M, t);
+  });
 }
 
 template <class Param>
@@ -663,14 +706,7 @@ void int4_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tens
   const int64_t M = xf.size(0), K = xf.size(1), tiles = q.size(0), N = tiles * kTile;
   const int64_t groups = sz.size(1), group = K / groups;
   const float* xd = xf.data_ptr<float>();
-  // Per row and group: sum of x over the group (what each group's zero point multiplies).
-  std::vector<float> xsum(M * groups, 0.0f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256 a = _mm256_setzero_ps();
-      for (int64_t k = g * group; k < (g + 1) * group; k += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(xd + m * K + k));
-      xsum[m * groups + g] = hsum8(a);
-    }
+  const std::vector<float> xsum = group_sums(xd, M, K, groups);
   const uint8_t* qd = q.data_ptr<uint8_t>();
   const auto* szd = reinterpret_cast<const Param*>(sz.data_ptr());
   const TileOut out(y, bias, N);
@@ -681,14 +717,7 @@ void int4_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tens
                   [&](int64_t m0, int64_t g, __m256 (*acc)[2], int mt) {
                     __m256 s0, s1, l0, l1;
                     group_affine(st + g * 2 * kTile, s0, s1, l0, l1);
-                    for (int i = 0; i < mt; ++i) {
-                      float* o = tot + (m0 + i) * kTile;
-                      const __m256 xs = _mm256_set1_ps(xsum[(m0 + i) * groups + g]);
-                      __m256 v0 = _mm256_fmadd_ps(acc[i][0], s0, _mm256_loadu_ps(o));
-                      __m256 v1 = _mm256_fmadd_ps(acc[i][1], s1, _mm256_loadu_ps(o + 8));
-                      _mm256_storeu_ps(o, _mm256_fmadd_ps(l0, xs, v0));
-                      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(l1, xs, v1));
-                    }
+                    fold_group<true>(tot, m0, g, groups, acc, mt, s0, s1, l0, l1, xsum.data());
                   });
     out.store(tot, M, t);
   });
@@ -828,6 +857,7 @@ void int8_q8_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& s
 
 #else  // no AVX2: the kernels are never reached (run_grouped refuses first); these keep the ops compiling
 
+template <class Param, bool Affine>
 void int8_grouped_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&) {}
 template <class Param>
 void int4_grouped_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&) {}
@@ -927,14 +957,15 @@ at::Tensor gemv_int8(const at::Tensor& x_in, const at::Tensor& w, const at::Tens
 }
 
 // Checks shared by the grouped ops, whatever their weight layout: x float32 or bfloat16; `scales`
-// (tiles, G, ...) contiguous, with G dividing K into groups that are multiples of 32; bias (N,).
+// (tiles, G, ...) contiguous, with G dividing K into groups that are multiples of `multiple`
+// (32 for int8 activations' blocks; 16 for the channel-tile ops: Q6_K's sub-blocks); bias (N,).
 void check_x_scales_bias(const at::Tensor& x, int64_t tiles, const at::Tensor& scales,
-                         const c10::optional<at::Tensor>& bias, const char* op) {
+                         const c10::optional<at::Tensor>& bias, const char* op, int64_t multiple = 32) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x must be float32 or bfloat16");
   TORCH_CHECK(scales.is_contiguous() && scales.dim() >= 2 && scales.size(0) == tiles && scales.size(1) > 0 &&
-                  x.size(1) % scales.size(1) == 0 && (x.size(1) / scales.size(1)) % 32 == 0,
-              op, ": scales must be contiguous (N/16, K/group, ...) with group a multiple of 32");
+                  x.size(1) % scales.size(1) == 0 && (x.size(1) / scales.size(1)) % multiple == 0,
+              op, ": scales must be contiguous (N/16, K/group, ...) with group a multiple of ", multiple);
   TORCH_CHECK(!bias.has_value() || bias->numel() == tiles * kTile, op, ": bias must have N elements");
 }
 
@@ -943,7 +974,7 @@ void check_grouped(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
                    int64_t bytes_per_k, const c10::optional<at::Tensor>& bias, const char* op) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(1) == x.size(1) && q.size(2) == bytes_per_k, op,
               ": q must be contiguous channel tiles (N/16, K, ", bytes_per_k, ") with K = x.size(-1)");
-  check_x_scales_bias(x, q.size(0), scales, bias, op);
+  check_x_scales_bias(x, q.size(0), scales, bias, op, 16);
 }
 
 // The group-wise ops' common run: y (x's rows, 16 * tiles) in x's dtype; impl(x as contiguous
@@ -974,9 +1005,18 @@ at::Tensor gemv_int8_grouped(const at::Tensor& x_in, const at::Tensor& q, const 
   const at::Tensor x = rows_view(x_in, op);
   check_grouped(x, q, scale, kTile, bias, op);
   TORCH_CHECK(q.scalar_type() == at::kChar, op, ": q must be int8");
-  check_int8_scales(scale, op);
+  const bool affine = scale.dim() == 4;
+  TORCH_CHECK((scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(2) == kTile) ||
+                  (scale.scalar_type() == at::kFloat && scale.dim() == 3 && scale.size(2) == kTile) ||
+                  (scale.scalar_type() == at::kFloat && affine && scale.size(2) == 2 && scale.size(3) == kTile),
+              op, ": scale must be (N/16, K/group, 16) float16 / float32, or (N/16, K/group, 2, 16) float32 (s, l0)");
   return run_grouped(x_in, x, q.size(0), bias, op, [&](const at::Tensor& xf, const float* bd, at::Tensor& y) {
-    int8_grouped_impl(xf, q, scale, bd, y);
+    if (affine)
+      int8_grouped_impl<float, true>(xf, q, scale, bd, y);
+    else if (scale.scalar_type() == at::kFloat)
+      int8_grouped_impl<float, false>(xf, q, scale, bd, y);
+    else
+      int8_grouped_impl<c10::Half, false>(xf, q, scale, bd, y);
   });
 }
 
@@ -1000,13 +1040,16 @@ at::Tensor gemv_int4_grouped(const at::Tensor& x_in, const at::Tensor& q, const 
   const at::Tensor x = rows_view(x_in, op);
   check_grouped(x, q, scales_zeros, kTile / 2, bias, op);
   TORCH_CHECK(q.scalar_type() == at::kByte, op, ": q must be uint8");
-  const bool gguf_form = scales_zeros.scalar_type() == at::kHalf;
-  TORCH_CHECK((gguf_form || scales_zeros.scalar_type() == at::kBFloat16) && scales_zeros.dim() == 4 &&
+  const auto kind = scales_zeros.scalar_type();
+  TORCH_CHECK((kind == at::kHalf || kind == at::kFloat || kind == at::kBFloat16) && scales_zeros.dim() == 4 &&
                   scales_zeros.size(2) == 2 && scales_zeros.size(3) == kTile,
-              op, ": scales_zeros must be (N/16, K/group, 2, 16) bfloat16 (scale, zero) or float16 (d, m)");
+              op, ": scales_zeros must be (N/16, K/group, 2, 16) bfloat16 (scale, zero), float16 (d, m) "
+              "or float32 (s, l0)");
   return run_grouped(x_in, x, q.size(0), bias, op, [&](const at::Tensor& xf, const float* bd, at::Tensor& y) {
-    if (gguf_form)
+    if (kind == at::kHalf)
       int4_grouped_impl<c10::Half>(xf, q, scales_zeros, bd, y);
+    else if (kind == at::kFloat)
+      int4_grouped_impl<float>(xf, q, scales_zeros, bd, y);
     else
       int4_grouped_impl<bf16>(xf, q, scales_zeros, bd, y);
   });

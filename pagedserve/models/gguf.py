@@ -13,9 +13,10 @@ Weights are yielded one at a time as `(hf_name, tensor)` for the loader's `load_
 dequantized to the serving dtype. Every tensor type the installed `gguf` package can
 dequantize loads (K-quants, I-quants, Q5_*, ...: `dequantizable_types()`); one log line per
 load names the quantized types dequantized and what that cost (seconds, bytes in and out).
-With `keep_quantized=True`, Q8_0/Q4_0/Q4_1 weights come as `GGUFQuantizedTensor` (the raw
-llama.cpp blocks, rows already in HF order) instead: the seam for linear methods that take
-those blocks as they are (quantization/gguf_blocks.py).
+With `keep_quantized`, weights of QUANTIZED_TYPES (Q8_0, Q4_K, Q6_K, ...) come as
+`GGUFQuantizedTensor` (the raw llama.cpp blocks, rows already in HF order) instead: the seam
+for linear methods that take those blocks as they are (quantization/gguf_blocks.py), which
+the loader uses by default.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,21 +53,21 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # dequantized (the raw-block methods take 2-D linear weights).
 STACKED_EXPERT_ARCHS = ("qwen3moe",)
 FLOAT_TYPES = ("F32", "F16", "BF16")
-# The types `keep_quantized` hands over as raw blocks (a native kernel serves them); every
-# other quantized type is dequantized at load.
-QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+# The types `keep_quantized` hands over as raw blocks (a native kernel serves them,
+# quantization/gguf_decode.py); every other quantized type is dequantized at load.
+QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
 @dataclasses.dataclass(frozen=True)
 class GGUFQuantizedTensor:
     """One weight in llama.cpp's block layout, as stored in the file.
 
-    Each row of `blocks` is the row of the (out, in) weight: in // 32 blocks of 32 weights,
-    Q8_0 = fp16 scale + 32 int8; Q4_0 = fp16 scale + 16 bytes of nibbles (w = s * (q - 8));
-    Q4_1 = fp16 scale + fp16 min + 16 bytes of nibbles (w = s * q + m).
+    Each row of `blocks` is the row of the (out, in) weight: in // 32 blocks of 32 weights
+    (Q8_0 = fp16 scale + 32 int8; Q4_0 = fp16 scale + 16 bytes of nibbles, w = s * (q - 8);
+    ...) or in // 256 super-blocks (Q4_K, Q6_K, ...); quantization/gguf_decode.py has them all.
     """
 
-    qtype: str  # "Q8_0" | "Q4_0" | "Q4_1"
+    qtype: str  # one of QUANTIZED_TYPES
     shape: tuple[int, int]  # (out_features, in_features), the HF weight's shape
     blocks: torch.Tensor  # uint8 (out_features, bytes per row)
 
@@ -264,11 +265,12 @@ def iter_gguf_tensors(
     path: str | Path,
     config: PretrainedConfig,
     dtype: torch.dtype,
-    keep_quantized: bool = False,
+    keep_quantized: bool | Collection[str] = False,
 ) -> Iterator[tuple[str, torch.Tensor | GGUFQuantizedTensor]]:
     """(HF name, tensor) for every weight of the file, dequantized into `dtype`.
 
-    With `keep_quantized`, Q8_0/Q4_0/Q4_1 matrices come as `GGUFQuantizedTensor` instead.
+    With `keep_quantized`, matrices of QUANTIZED_TYPES come as `GGUFQuantizedTensor` instead:
+    every one (True), or those of these HF names (what the loader's GGUF methods take).
     Once the last tensor is out, one INFO line says which quantized types were dequantized
     here and what it cost.
 
@@ -293,6 +295,7 @@ def iter_gguf_tensors(
     for tensor in reader.tensors:
         qtype = tensor.tensor_type.name
         raw = qtype in QUANTIZED_TYPES and keep_quantized
+        raw = raw and (keep_quantized is True or names.get(tensor.name) in keep_quantized)
         raw = raw and len(tensor.shape) == 2  # stacked experts (3-D) load dequantized
         start = time.perf_counter()
         data = tensor.data if raw else dequantize(tensor.data, tensor.tensor_type)

@@ -17,14 +17,16 @@ weights of all layers never coexist: peak memory ~ the quantized model plus one 
 Without one, CPU float32/bfloat16 layers are repacked the same way for oneDNN's GEMM
 (quantization/packed.py).
 
-A GGUF file's quantized weights (every type the `gguf` package dequantizes: Q8_0, Q4_K,
-IQ4_XS, ...) are dequantized into the serving dtype here (and requantized by an int8 / int4
-QuantizationConfig if one is given); models/gguf.py logs which types and what it cost. With
-`QuantizationConfig("gguf")` a linear layer whose tensors are all Q8_0 (all Q4_0 / Q4_1) gets a
-method that takes the raw `GGUFQuantizedTensor` blocks (`iter_gguf_tensors(...,
-keep_quantized=True)`, rows already in HF order) and installs them as group-wise int8 (int4)
-without requantizing (quantization/gguf_blocks.py); every other tensor (norms, embedding, LM
-head, float or mixed layers) is dequantized into the serving dtype as without it.
+A GGUF file's quantized matrices are served from the file's own blocks by default (on CPU, at
+one rank; `QuantizationConfig("gguf")` says so explicitly): a linear layer whose tensors all
+have an exact integer form (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
+gets a method that takes the raw `GGUFQuantizedTensor` blocks (`iter_gguf_tensors(...,
+keep_quantized=True)`, rows already in HF order) and installs them as group-wise int8 / int4
+channel tiles without requantizing (quantization/gguf_blocks.py); a Q8_0 LM head (or tied
+embedding) becomes int8 blocks of 32, its own numbers. Every other tensor (norms, embedding,
+other types, float layers) is dequantized into the serving dtype (`dtype` chooses the
+activations only); models/gguf.py logs which types and what it cost. An int8 / int4
+QuantizationConfig requantizes the dequantized weights instead.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from pagedserve.distributed.parallel_state import (
     tensor_parallel,
 )
 from pagedserve.models.gguf import (
+    QUANTIZED_TYPES,
     GGUFQuantizedTensor,
     gguf_tensor_types,
     gguf_weight_types,
@@ -77,10 +80,13 @@ def load_model(
     device: torch.device,
     quantization: QuantizationConfig | None = None,
     tp: TPGroup | None = None,
+    gguf_blocks: bool = True,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Build the model for the folder's config on `device` in `dtype` and load its weights.
 
     With `quantization`, linear weights are quantized while loading (see module docstring).
+    Without, a quantized .gguf file's blocks are served as they are unless `gguf_blocks` is
+    False (every tensor dequantized at load: the reference path tests and benchmarks compare).
     With a tensor-parallel group `tp`, this rank's shard is built and loaded (every rank reads
     the full checkpoint and narrows each tensor), then quantized: each rank quantizes its shard.
 
@@ -104,18 +110,24 @@ def load_model(
     serve_blocks = quantization is not None and quantization.method == "gguf"
     if serve_blocks:
         check_gguf_quantization(path, tp)
+    elif quantization is None and gguf_blocks and _serves_gguf_blocks_by_default(path, torch.device(device), tp):
+        serve_blocks = True  # a quantized file is served as it is, as llama.cpp does
+    native: frozenset[str] = frozenset()
     with _default_dtype(dtype), torch.device(device), tensor_parallel(tp):
         model = model_cls(config)
         if serve_blocks:
-            attach_gguf_methods(model, gguf_tensor_types(path, config), torch.device(device))
-            if quantization.quantize_lm_head:  # int8 blocks of 32: a Q8_0 head's own numbers
+            types = gguf_tensor_types(path, config)
+            native = attach_gguf_methods(model, types, torch.device(device))
+            head = _head_type(types, config)
+            if (quantization.quantize_lm_head if quantization is not None else head == "Q8_0"):
+                # int8 blocks of 32: a Q8_0 head's own numbers (by default only then)
                 attach_quant_methods(model, QuantizationConfig("int8", quantize_lm_head=True),
                                      torch.device(device), heads_only=True)
         elif quantization is not None:
             attach_quant_methods(model, quantization, torch.device(device))
         attach_packed_methods(model, torch.device(device))
     if is_gguf(path):
-        load_weights(model, iter_gguf_tensors(path, config, dtype, keep_quantized=serve_blocks))
+        load_weights(model, iter_gguf_tensors(path, config, dtype, keep_quantized=native))
     else:
         load_weights(model, iter_checkpoint(path))
     logger.info("weights: %.1f MiB resident (%s)", weight_bytes(model) / 2**20, _describe(model))
@@ -216,6 +228,22 @@ def _check_groups_within_shard(name: str, module: nn.Module, quantization: Quant
         )
 
 
+def _serves_gguf_blocks_by_default(path: Path, device: torch.device, tp: TPGroup | None) -> bool:
+    """No quantization asked: a .gguf file with quantized matrices is served from its own
+    blocks (quantization='gguf') on CPU at one rank; elsewhere (GPU, tensor parallel: the
+    blocks are not sharded) it is dequantized at load as before."""
+    if not is_gguf(path) or device.type != "cpu" or (tp is not None and tp.size > 1):
+        return False
+    return bool(gguf_weight_types(path) & set(QUANTIZED_TYPES))
+
+
+def _head_type(types: dict[str, str], config: PretrainedConfig) -> str | None:
+    """The GGUF type of the LM head's weight (the token embedding's when they are tied)."""
+    if getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in types:
+        return next((t for name, t in types.items() if name.endswith("embed_tokens.weight")), None)
+    return types["lm_head.weight"]
+
+
 def check_gguf_quantization(path: str | Path, tp: TPGroup | None = None) -> None:
     """quantization='gguf' serves a .gguf file's blocks; anything else is refused (named)."""
     if not is_gguf(path):
@@ -231,33 +259,43 @@ def check_gguf_quantization(path: str | Path, tp: TPGroup | None = None) -> None
         )
 
 
-def attach_gguf_methods(model: nn.Module, types: dict[str, str], device: torch.device) -> None:
-    """quantization='gguf': each linear layer whose checkpoint tensors (every shard of a fused
-    one) are all Q8_0 gets `GGUFInt8Method`, all Q4_0 / Q4_1 `GGUFInt4Method`; the rest stay
-    full precision (dequantized at load). A layer mixing int8 and int4 blocks is named in a
-    warning."""
+def attach_gguf_methods(model: nn.Module, types: dict[str, str], device: torch.device) -> frozenset[str]:
+    """quantization='gguf' (the default for a quantized .gguf file): each linear layer whose
+    checkpoint tensors (every shard of a fused one) all have a type with an exact integer
+    form (quantization/gguf_decode.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL,
+    IQ4_XS) gets a method serving those numbers (quantization/gguf_blocks.py: int4 channel
+    tiles for 4-bit types alone, else int8); the rest stay full precision (dequantized at
+    load). Layers that only the GEMV kernel could serve, where it cannot take them (no AVX2,
+    rows not a multiple of 16), are named in a warning and load dequantized.
+
+    Returns: the checkpoint names (HF) of the tensors the methods take as raw blocks."""
+    from pagedserve.quantization import gemv
     from pagedserve.quantization.gguf_blocks import TARGETS, gguf_method
 
     if device.type != "cpu":
         raise ValueError(f"quantization='gguf' has CPU kernels only (device {device})")
     mapping = getattr(model, "stacked_params_mapping", [])
-    mixed, counts = [], defaultdict(int)
+    dequantized, counts = [], defaultdict(int)
+    native: set[str] = set()
+    kernel = gemv.gemv_ops() is not None
     for prefix, module in model.named_modules():
         if not isinstance(module, LinearBase):
             continue
         param_name = f"{prefix}.weight"
         names = [param_name.replace(ours, theirs) for theirs, ours, _ in mapping if ours in param_name]
         qtypes = {types.get(n, "missing") for n in (names or [param_name])}
-        method = gguf_method(qtypes)
+        method = gguf_method(qtypes, kernel and module.output_size % gemv.TILE == 0)
         if method is not None:
             module.set_quant_method(method)
             counts[method.name] += 1
-        elif qtypes <= set(TARGETS):  # all quantized, but int8 and int4 blocks together
-            mixed.append(f"{prefix} ({'+'.join(sorted(qtypes))})")
+            native.update(names or [param_name])
+        elif qtypes <= set(TARGETS):  # quantized, but a form only the kernel serves
+            dequantized.append(f"{prefix} ({'+'.join(sorted(qtypes))})")
     logger.info("quantization=gguf: %s", ", ".join(f"{n} {k} layers" for k, n in counts.items()) or "no layer")
-    if mixed:
-        logger.warning("quantization=gguf: these layers mix int8 and int4 blocks and load "
-                       "dequantized: %s", ", ".join(mixed))
+    if dequantized:
+        logger.warning("quantization=gguf: the GEMV kernel cannot take these layers here; they "
+                       "load dequantized: %s", ", ".join(dequantized))
+    return frozenset(native)
 
 
 def attach_packed_methods(model: nn.Module, device: torch.device) -> None:

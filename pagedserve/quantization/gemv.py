@@ -23,7 +23,8 @@ instead, where one k of 16 output channels is contiguous, so a group's 16 scales
 whole vectors of partial sums (see the C++ source):
 
     int8  q (out, in)        -> (out/16, in, 16) int8:   tile[t, k, j] = q[16 t + j, k]
-          scale (out, in/g)  -> (out/16, in/g, 16) float16
+          scale (out, in/g)  -> (out/16, in/g, 16) float16 (or float32, or float32
+                                (out/16, in/g, 2, 16) scale and level 0: GGUF's K-quants)
     int4  q (out, in) 0..15  -> (out/16, in, 8) uint8:   byte j = q[16t + j, k] | q[16t + 8 + j, k] << 4
           scale, zero (in/g, out) -> (out/16, in/g, 2, 16) bfloat16 (or GGUF's d, m in float16)
 """
@@ -149,8 +150,22 @@ def int8_grouped(
     x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x (..., in) float32/bf16 -> x (q * scale)^T + b (..., out) in x.dtype, float32
-    products and sums; at most MAX_ROWS rows."""
+    products and sums; at most MAX_ROWS rows. `scales`: (out/16, in / g, 16) float16 or
+    float32, or (out/16, in / g, 2, 16) float32 (scale, level 0) of W = q * scale + level0."""
     return _ops().gemv_int8_grouped(x, tiles, scales, bias)
+
+
+def pack_int8_affine(
+    q: torch.Tensor, scale: torch.Tensor, level0: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (out, in) int8, scale and level 0 (out, in / g) float32 of W = q * scale + level0 (a
+    GGUF file's Q5_1 / Q5_K, or Q4_K fused beside int8 shards) -> channel tiles (out/16, in, 16)
+    and (out/16, in / g, 2, 16) float32 parameters, the affine form of `int8_grouped`."""
+    out_features, in_features = q.shape
+    tiles = q.view(out_features // TILE, TILE, in_features).transpose(1, 2).contiguous()
+    params = torch.stack((scale, level0), dim=1).float()  # (out, 2, in / g)
+    params = params.view(out_features // TILE, TILE, 2, -1).permute(0, 3, 2, 1)
+    return tiles, params.contiguous()
 
 
 def pack_int8_quads(q: torch.Tensor) -> torch.Tensor:
@@ -203,10 +218,11 @@ def pack_int4_grouped(
     (out/16, in, 8) uint8 (two channels per byte) and (out/16, in / g, 2, 16) parameters.
 
     The parameters' dtype says their meaning to the kernel: bfloat16 (scale, zero) of
-    W = (q - 8) * scale + zero (`quantize_int4`), or float16 (d, m) of W = q * d + m (a GGUF
-    file's Q4_1 / Q4_0 blocks as stored)."""
-    if scale.dtype not in (torch.bfloat16, torch.float16) or zero.dtype != scale.dtype:
-        raise ValueError("int4 group parameters must be both bfloat16 (scale, zero) or both float16 (d, m)")
+    W = (q - 8) * scale + zero (`quantize_int4`), or float16 / float32 (d, m) of W = q * d + m
+    (a GGUF file's Q4_1 / Q4_0 blocks as stored; Q4_K's d * sc and -dmin * m in float32)."""
+    if scale.dtype not in (torch.bfloat16, torch.float16, torch.float32) or zero.dtype != scale.dtype:
+        raise ValueError("int4 group parameters must be both bfloat16 (scale, zero) or both "
+                         "float16 / float32 (d, m)")
     out_features, in_features = q.shape
     halves = q.contiguous().view(out_features // TILE, 2, TILE // 2, in_features)  # (T, 2, 8, in)
     # Both nibbles on contiguous rows first, then one transposing copy of the packed bytes.
@@ -231,5 +247,5 @@ def int4_grouped(
     x: torch.Tensor, tiles: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x (..., in) float32/bf16 -> x W^T + b (..., out) in x.dtype, W = (q - 8) * scale + zero
-    (bf16 parameters) or q * d + m (fp16), float32 products and sums; at most MAX_ROWS rows."""
+    (bf16 parameters) or q * d + m (fp16 / fp32), float32 products and sums; at most MAX_ROWS rows."""
     return _ops().gemv_int4_grouped(x, tiles, scales_zeros, bias)

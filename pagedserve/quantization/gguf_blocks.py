@@ -31,7 +31,9 @@ import functools
 import torch
 from torch import nn
 
+from pagedserve.quantization import gemv
 from pagedserve.quantization.base import LinearMethod
+from pagedserve.quantization.gguf_decode import BLOCKS, FOUR_BIT, HALF_SCALES, decode
 from pagedserve.quantization.int4 import Int4LinearMethod
 from pagedserve.quantization.int8_grouped import Int8GroupedLinearMethod
 
@@ -91,16 +93,18 @@ def from_gguf_q4_1(raw: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Ten
     return _nibbles(blocks, 4, shape), d.t().contiguous(), (m + 8 * d).t().contiguous()
 
 
-# ---- linear methods that load a GGUF file's blocks (`--quantization gguf`) ----------------
+# ---- linear methods that load a GGUF file's blocks ---------------------------------------
 
-# GGUF type of a linear weight -> the method family its blocks load into.
-TARGETS = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
+# The GGUF types of a linear weight served natively (quantization/gguf_decode.py).
+TARGETS = tuple(BLOCKS)
+# The two original forms, which also load where the GEMV kernel does not run (torch's kernels).
+_Q8_ONLY, _Q4_ONLY = {"Q8_0"}, {"Q4_0", "Q4_1"}
 
 
 class _GGUFBlocks:
     """Mixin: the weight arrives as `GGUFQuantizedTensor` shards (one per fused projection,
-    e.g. q / k / v) and is installed, concatenated along the output rows, with the target
-    method's `set_quantized`, with the file's numbers (no requantizing).
+    e.g. q / k / v) and is installed, concatenated along the output rows, with the file's
+    numbers (no requantizing).
 
     `create_weights` registers a placeholder `weight` (no storage) whose loader keeps the
     shards on the layer until `process_weights_after_loading`.
@@ -116,7 +120,7 @@ class _GGUFBlocks:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         shards = layer.gguf_shards
         order = list(layer.shard_ids) if getattr(layer, "shard_ids", None) else [None]
-        parts = [_decode(shards[s]) for s in order]
+        parts = [shards[s] for s in order]
         del layer.weight, layer.gguf_shards
         self._install(layer, parts)  # type: ignore[attr-defined]
 
@@ -132,47 +136,77 @@ def _keep_shard(layer: nn.Module, param: torch.Tensor, blocks: object, shard_id:
     layer.gguf_shards[shard_id] = blocks
 
 
-def _decode(blocks: object) -> tuple[torch.Tensor, ...]:
-    qtype, raw, shape = blocks.qtype, blocks.blocks, blocks.shape  # type: ignore[attr-defined]
-    return from_gguf_q8_0(raw, shape) if qtype == "Q8_0" else gguf_q4_values(raw, shape, qtype)
-
-
 class GGUFInt8Method(_GGUFBlocks, Int8GroupedLinearMethod):
-    """Q8_0 blocks as group-wise int8 (group 32): the same numbers, bit for bit."""
+    """Every type but the 4-bit ones alone (or 4-bit shards fused beside others) as int8
+    channel tiles: q as an int8, s (and l0) per group, float16 where every shard's parameters
+    are exact in float16 (Q8_0, Q5_0, IQ4_NL), else float32; groups of 16 with a Q6_K shard
+    (the others' parameters repeated). Q8_0 alone also loads without the GEMV kernel (its
+    torch path); the other forms need the kernel (`gguf_method`)."""
 
-    name = "gguf-q8_0"
+    name = "gguf-int8"
 
     def __init__(self) -> None:
         super().__init__(BLOCK)
 
-    def _install(self, layer: nn.Module, parts: list[tuple[torch.Tensor, ...]]) -> None:
-        q = torch.cat([p[0] for p in parts])
-        scale = torch.cat([p[1] for p in parts])
-        self.set_quantized(layer, q, scale)
+    def _install(self, layer: nn.Module, parts: list[object]) -> None:
+        decoded = [decode(p.qtype, p.blocks, p.shape) for p in parts]  # type: ignore[attr-defined]
+        group = min(d.group for d in decoded)
+        decoded = [d.regrouped(group) for d in decoded]
+        q = torch.cat([d.q for d in decoded]).to(torch.int8)
+        scale = torch.cat([d.scale for d in decoded])
+        if all(d.level0 is None for d in decoded):
+            half = all(p.qtype in HALF_SCALES for p in parts)  # type: ignore[attr-defined]
+            if half:  # Q8_0's form: exact in float16, and torch's path without the kernel
+                self.set_quantized(layer, q, scale.to(torch.float16))
+                return
+            tiles, scales = gemv.pack_int8_grouped(q, scale)
+        else:
+            level0 = torch.cat([d.level0 if d.level0 is not None else torch.zeros_like(d.scale)
+                                for d in decoded])
+            tiles, scales = gemv.pack_int8_affine(q, scale, level0)
+        layer.register_buffer("qweight_tiles", tiles)
+        layer.register_buffer("scale_tiles", scales)
 
 
 class GGUFInt4Method(_GGUFBlocks, Int4LinearMethod):
-    """Q4_0 / Q4_1 blocks as affine int4 (group 32): q, d and m as stored where the GEMV
-    kernel runs (else scale and zero in bf16, see `set_quantized_gguf`)."""
+    """Q4_0 / Q4_1 / Q4_K blocks as affine int4 (group 32), W = q * d + m: q, d and m as
+    stored (float16) for Q4_0 / Q4_1 alone where the GEMV kernel runs (else scale and zero in
+    bf16 for torch's kernel, see `set_quantized_gguf`); float32 (s, l0) with a Q4_K shard
+    (gguf_decode.py; needs the kernel)."""
 
     name = "gguf-q4"
 
     def __init__(self) -> None:
         super().__init__(BLOCK)
 
-    def _install(self, layer: nn.Module, parts: list[tuple[torch.Tensor, ...]]) -> None:
-        q = torch.cat([p[0] for p in parts])
-        d = torch.cat([p[1] for p in parts], dim=1)
-        m = torch.cat([p[2] for p in parts], dim=1)
-        self.set_quantized_gguf(layer, q, d, m)
+    def _install(self, layer: nn.Module, parts: list[object]) -> None:
+        if all(p.qtype in _Q4_ONLY for p in parts):  # type: ignore[attr-defined]
+            values = [gguf_q4_values(p.blocks, p.shape, p.qtype) for p in parts]  # type: ignore[attr-defined]
+            q = torch.cat([v[0] for v in values])
+            d = torch.cat([v[1] for v in values], dim=1)
+            m = torch.cat([v[2] for v in values], dim=1)
+            self.set_quantized_gguf(layer, q, d, m)
+            return
+        decoded = [decode(p.qtype, p.blocks, p.shape) for p in parts]  # type: ignore[attr-defined]
+        q = torch.cat([d.q for d in decoded]).to(torch.uint8)
+        s = torch.cat([d.scale for d in decoded]).t().contiguous()
+        l0 = torch.cat([d.level0 for d in decoded if d.level0 is not None]).t().contiguous()
+        self.set_quantized_gguf(layer, q, s, l0)
 
 
-def gguf_method(qtypes: set[str]) -> LinearMethod | None:
+def gguf_method(qtypes: set[str], kernel: bool) -> LinearMethod | None:
     """The method for a linear layer whose checkpoint tensors have these GGUF types, or None
-    (full precision: a float tensor among them, or int8 and int4 blocks mixed in one layer)."""
-    targets = {TARGETS.get(t) for t in qtypes}
-    if targets == {"int8"}:
+    (loaded dequantized: a float tensor among them, a type with no exact integer form, or
+    a form only the GEMV kernel serves where it cannot take the layer: `kernel` False).
+
+    4-bit types alone go to int4 channel tiles (half the bytes of int8); any other mix of
+    quantized types to int8 channel tiles."""
+    if not qtypes or not qtypes <= set(TARGETS):
+        return None
+    if qtypes <= _Q8_ONLY:
         return GGUFInt8Method()
-    if targets == {"int4"}:
+    if qtypes <= _Q4_ONLY:
         return GGUFInt4Method()
-    return None
+    if not kernel:
+        return None
+    return GGUFInt4Method() if qtypes <= set(FOUR_BIT) else GGUFInt8Method()

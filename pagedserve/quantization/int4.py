@@ -208,11 +208,13 @@ class Int4LinearMethod(LinearMethod):
 
     def set_quantized_gguf(self, layer: nn.Module, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
         """Installs a GGUF file's Q4_1 / Q4_0 values, W = q * d + m with float16 d, m (in / 32,
-        out): exactly, as float16 (d, m) channel tiles, where the GEMV kernel runs; else as
-        bfloat16 scale = d, zero = m + 8 d (a 2^-9 relative rounding) for torch's kernel."""
+        out), or Q4_K's with float32 d, m (d * sc, -dmin * m): exactly, as (d, m) channel tiles
+        in their dtype, where the GEMV kernel runs; else (float16 only) as bfloat16
+        scale = d, zero = m + 8 d (a 2^-9 relative rounding) for torch's kernel."""
         if self.gemv and gemv.takes_grouped(q):
             layer.group_size = 32
-            tiles, dm = gemv.pack_int4_grouped(q, d.to(torch.float16), m.to(torch.float16))
+            kind = torch.float32 if d.dtype == torch.float32 else torch.float16
+            tiles, dm = gemv.pack_int4_grouped(q, d.to(kind), m.to(kind))
             layer.register_buffer("qweight_tiles", tiles)
             layer.register_buffer("scales_zeros_tiles", dm)
             return
@@ -229,7 +231,7 @@ class Int4LinearMethod(LinearMethod):
         zero = m + 8 d."""
         if hasattr(layer, "qweight_tiles"):
             q, a, b = gemv.unpack_int4_grouped(layer.qweight_tiles, layer.scales_zeros_tiles)
-            if a.dtype == torch.float16:  # GGUF's (d, m)
+            if a.dtype in (torch.float16, torch.float32):  # GGUF's (d, m)
                 return q, a.float(), b.float() + 8 * a.float()
             return q, a, b
         block_n = _packed_block_n()
@@ -244,7 +246,7 @@ class Int4LinearMethod(LinearMethod):
         """The (out, in) weight the layer represents: (q - 8) * scale + zero, or for GGUF
         values q * d + m (as gguf computes it), in float32, then `dtype`."""
         sz = getattr(layer, "scales_zeros_tiles", None)
-        if sz is not None and sz.dtype == torch.float16:
+        if sz is not None and sz.dtype in (torch.float16, torch.float32):
             q, d, m = gemv.unpack_int4_grouped(layer.qweight_tiles, sz)
             g = layer.group_size
             w = q.float() * d.float().t().repeat_interleave(g, 1) + m.float().t().repeat_interleave(g, 1)
@@ -326,8 +328,8 @@ def _tile_blocks(tiles: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype) -> I
         q = torch.cat((packed & 15, packed >> 4), dim=-1).transpose(1, 2)  # (T, 16, in) view
         q = q.to(torch.float32, memory_format=torch.contiguous_format)
         s = sz[t : t + step].float().permute(0, 3, 1, 2).contiguous()  # (T, 16, G, 2)
-        # Level 0 (the weight of q = 0): zero - 8 scale, or GGUF's m (float16 parameters).
-        level0 = s[..., 1] if sz.dtype == torch.float16 else s[..., 1] - 8 * s[..., 0]
+        # Level 0 (the weight of q = 0): zero - 8 scale, or GGUF's m (float16 / float32).
+        level0 = s[..., 1] if sz.dtype != torch.bfloat16 else s[..., 1] - 8 * s[..., 0]
         scale, level0 = s[..., 0, None], level0[..., None]
         w = torch.addcmul(level0, q.view(q.shape[0], gemv.TILE, groups, -1), scale)
         yield w.reshape(-1, in_features).to(dtype)

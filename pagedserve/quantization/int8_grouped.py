@@ -75,7 +75,8 @@ class Int8GroupedLinearMethod(LinearMethod):
 
     Layer tensors after `process_weights_after_loading` (or `set_quantized`):
         qweight_tiles  (out/16, in, 16) int8          where the GEMV kernel takes the layer
-        scale_tiles    (out/16, in / group, 16) float16
+        scale_tiles    (out/16, in / group, 16) float16 (a GGUF file's K-quants: float32, or
+                       (out/16, in / group, 2, 16) float32 scale and level 0; gguf_blocks.py)
     or, with int8 activations, where the kernel takes the layer
         qweight_quads  (out/16, in/4, 16, 4) int8
         scale_tiles    (out/16, in / group, 16) float16
@@ -129,8 +130,11 @@ class Int8GroupedLinearMethod(LinearMethod):
         return [layer.qweight, layer.weight_scale]
 
     def int_weight(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q (out, in) int8, scale (out, in / group) float16), whichever layout the layer
-        keeps (copies if tiled)."""
+        """(q (out, in) int8, scale (out, in / group) float16 or float32), whichever layout the
+        layer keeps (copies if tiled); not for a GGUF K-quant's affine (scale, level 0) tiles."""
+        scales = getattr(layer, "scale_tiles", None)
+        if scales is not None and scales.dim() == 4:
+            raise ValueError("affine GGUF tiles have a level 0: use dequantized_weight")
         if hasattr(layer, "qweight_tiles"):
             return gemv.unpack_int8_grouped(layer.qweight_tiles, layer.scale_tiles)
         if hasattr(layer, "qweight_quads"):
@@ -141,6 +145,8 @@ class Int8GroupedLinearMethod(LinearMethod):
         return layer.qweight, layer.weight_scale
 
     def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if hasattr(layer, "qweight_tiles") or hasattr(layer, "qweight_quads"):
+            return torch.cat(list(_tile_blocks(layer, dtype)))
         return dequantize_int8_grouped(*self.int_weight(layer), dtype)
 
     def decode_op(self, layer: nn.Module) -> LinearCall | None:
@@ -186,9 +192,10 @@ def _row_blocks(layer: nn.Module, dtype: torch.dtype) -> Iterator[torch.Tensor]:
 
 def _tile_blocks(layer: nn.Module, dtype: torch.dtype) -> Iterator[torch.Tensor]:
     """The same from channel tiles: (16 T, in) per block of T tiles; the conversion to float
-    writes (T, 16, in) order, so the multiply by the scales is the only other pass."""
-    scales = layer.scale_tiles
-    num_tiles, groups, tile = scales.shape
+    writes (T, 16, in) order, so the multiply by the scales (and the add of a GGUF K-quant's
+    level 0, `gemv.pack_int8_affine`) are the only other passes."""
+    scales = layer.scale_tiles  # (T, G, 16), or (T, G, 2, 16): scale, level 0
+    num_tiles, groups, tile = scales.shape[0], scales.shape[1], scales.shape[-1]
     quads = getattr(layer, "qweight_quads", None)
     tiles = quads if quads is not None else layer.qweight_tiles
     in_features = tiles.shape[1] * (4 if quads is not None else 1)
@@ -196,6 +203,10 @@ def _tile_blocks(layer: nn.Module, dtype: torch.dtype) -> Iterator[torch.Tensor]
     for t in range(0, num_tiles, step):
         q = tiles[t : t + step].transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
         q = q.view(q.shape[0], tile, in_features)  # quads (T, 16, in/4, 4) -> (T, 16, in)
-        s = scales[t : t + step].transpose(1, 2).float()  # (T, 16, G)
+        s = scales[t : t + step].float()
+        level0 = s[:, :, 1].transpose(1, 2) if s.dim() == 4 else None  # (T, 16, G)
+        s = (s[:, :, 0] if s.dim() == 4 else s).transpose(1, 2)  # (T, 16, G)
         w = q.view(q.shape[0], tile, groups, in_features // groups) * s[..., None]
+        if level0 is not None:  # q * s is exact: one rounding, as gguf's d * q - dm
+            w += level0[..., None]
         yield w.view(-1, in_features).to(dtype)

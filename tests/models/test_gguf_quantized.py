@@ -119,7 +119,7 @@ def test_layers_hold_the_files_values(gguf_files, kind: str):
     assert len(ours) == LAYERS * len(PARTS)
     exact = kind == "Q8_0" or gemv.gemv_ops() is not None
     for name, (method, weight) in ours.items():
-        assert method == ("gguf-q8_0" if kind == "Q8_0" else "gguf-q4")
+        assert method == ("gguf-int8" if kind == "Q8_0" else "gguf-q4")
         w = want[name]
         if exact:
             assert torch.equal(weight, w), name
@@ -209,19 +209,21 @@ def test_q4_1_greedy_equals_transformers(gguf_files):
 
 def test_mixed_file_gets_a_method_per_layer(tmp_path):
     """Per layer, from its tensors' types: all Q8_0 -> int8 blocks; all Q4_0/Q4_1 -> int4
-    blocks; a float tensor, or Q8_0 and Q4 fused into one layer -> dequantized (packed fp32)."""
+    blocks; Q8_0 and Q4 fused into one layer -> int8 tiles with a level 0 where the GEMV
+    kernel runs (else dequantized); a float tensor -> dequantized (packed fp32)."""
     path = tmp_path / "mixed.gguf"
     write_gguf(path, "Q8_0", {(0, "attn_k"): "Q4_1", (0, "ffn_gate"): "Q4_0", (0, "ffn_up"): "Q4_1",
                               (0, "ffn_down"): "F16", (1, "attn_q"): "F32"})
     model, _ = load_model(path, torch.float32, torch.device("cpu"), _gguf_config())
     methods = {prefix: m.quant_method.name for prefix, m in model.named_modules() if isinstance(m, LinearBase)}
     dense = {"onednn-packed", "unquantized"}
-    assert methods["model.layers.0.self_attn.qkv_proj"] in dense  # Q8_0 + Q4_1 + Q8_0
-    assert methods["model.layers.0.self_attn.o_proj"] == "gguf-q8_0"
+    fused = "gguf-int8" if gemv.gemv_ops() is not None else "onednn-packed"
+    assert methods["model.layers.0.self_attn.qkv_proj"] in {fused, "unquantized"}  # Q8_0 + Q4_1 + Q8_0
+    assert methods["model.layers.0.self_attn.o_proj"] == "gguf-int8"
     assert methods["model.layers.0.mlp.gate_up_proj"] == "gguf-q4"  # Q4_0 + Q4_1
     assert methods["model.layers.0.mlp.down_proj"] in dense  # F16
     assert methods["model.layers.1.self_attn.qkv_proj"] in dense  # F32 + Q8_0
-    assert methods["model.layers.1.mlp.gate_up_proj"] == "gguf-q8_0"
+    assert methods["model.layers.1.mlp.gate_up_proj"] == "gguf-int8"
     # And it serves: the same greedy tokens as transformers on the dequantized layers' values.
     ours = {name: w for name, (_, w) in _our_layers(path).items() if w is not None}
     held = _reference_with(path, ours)

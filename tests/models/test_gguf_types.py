@@ -26,7 +26,7 @@ from pagedserve.models.gguf import (
 )
 from pagedserve.models.layers.linear import LinearBase
 from pagedserve.models.loader import load_model
-from pagedserve.quantization import QuantizationConfig
+from pagedserve.quantization import QuantizationConfig, gemv
 
 gguf = pytest.importorskip("gguf")
 
@@ -134,18 +134,35 @@ def test_qwen2_with_biases_and_an_untied_head(tmp_path):
 def test_one_log_line_names_the_dequantized_types_and_their_cost(tmp_path, caplog):
     path = _file(tmp_path, "Q4_K", types={"ffn_down": "Q6_K", "attn_q": "Q8_0"})
     with caplog.at_level(logging.INFO, logger="pagedserve.models.gguf"):
-        load_model(path, torch.float32, torch.device("cpu"))
+        load_model(path, torch.float32, torch.device("cpu"), gguf_blocks=False)
     lines = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
     assert len(lines) == 1
-    # Without quantization='gguf' every quantized tensor is dequantized (Q8_0 too).
+    # The reference path (gguf_blocks=False) dequantizes every quantized tensor (Q8_0 too).
     assert "Q4_K x12" in lines[0] and "Q6_K x2" in lines[0] and "Q8_0 x2" in lines[0]
     assert "float32" in lines[0] and "MiB" in lines[0] and " s" in lines[0]
 
 
+def test_a_quantized_file_is_served_from_its_blocks_by_default(tmp_path, caplog):
+    """No quantization asked: every linear layer keeps the file's blocks (the GEMV kernel's
+    forms where it runs); only the embedding and head are dequantized, and the log says so."""
+    path = _file(tmp_path, "Q4_K", types={"ffn_down": "Q6_K", "attn_q": "Q8_0"})
+    with caplog.at_level(logging.INFO, logger="pagedserve.models.gguf"):
+        model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    methods = {p: m.quant_method.name for p, m in model.named_modules() if isinstance(m, LinearBase)}
+    if gemv.gemv_ops() is None:  # the K-quants' forms need the kernel
+        assert set(methods.values()) <= {"onednn-packed", "unquantized"}
+        return
+    assert methods["model.layers.0.self_attn.qkv_proj"] == "gguf-int8"  # Q8_0 + Q4_K fused
+    assert methods["model.layers.0.mlp.gate_up_proj"] == "gguf-q4"
+    assert methods["model.layers.0.mlp.down_proj"] == "gguf-int8"
+    lines = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
+    assert len(lines) == 1 and "Q4_K x2" in lines[0] and "Q6_K" not in lines[0]
+
+
 def test_native_types_keep_their_blocks_beside_dequantized_ones(tmp_path, caplog):
-    """quantization='gguf': Q8_0 layers keep the int8-block kernel, Q4_K layers load dense,
-    and only the dequantized types are named in the log line."""
-    path = _file(tmp_path, "Q4_K", types={"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0"})
+    """quantization='gguf': Q8_0 layers keep the int8-block kernel, Q3_K layers (no exact
+    integer form here) load dense, and only the dequantized types are named in the log line."""
+    path = _file(tmp_path, "Q3_K", types={"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0"})
     config = load_gguf_config(path)
     raw = dict(iter_gguf_tensors(path, config, torch.float32, keep_quantized=True))
     assert isinstance(raw["model.layers.0.self_attn.q_proj.weight"], GGUFQuantizedTensor)
@@ -153,8 +170,8 @@ def test_native_types_keep_their_blocks_beside_dequantized_ones(tmp_path, caplog
     with caplog.at_level(logging.INFO, logger="pagedserve.models.gguf"):
         model, _ = load_model(path, torch.float32, torch.device("cpu"), QuantizationConfig("gguf"))
     methods = {p: m.quant_method.name for p, m in model.named_modules() if isinstance(m, LinearBase)}
-    assert methods["model.layers.0.self_attn.qkv_proj"] == "gguf-q8_0"
+    assert methods["model.layers.0.self_attn.qkv_proj"] == "gguf-int8"
     assert methods["model.layers.0.mlp.gate_up_proj"] in {"onednn-packed", "unquantized"}
     lines = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
-    assert len(lines) == 1 and "Q4_K" in lines[0] and "Q8_0" not in lines[0]
+    assert len(lines) == 1 and "Q3_K" in lines[0] and "Q8_0" not in lines[0]
     assert _engine_greedy(path, PROMPTS[:1], quantization="gguf") == _hf_greedy(path, PROMPTS[:1])

@@ -1,0 +1,133 @@
+"""A GGUF file's quantized blocks served as they are: the exact integer form of every type
+(quantization/gguf_decode.py) and the GEMV kernels' float32 / float16 / affine parameter
+forms that serve it (csrc/gemv_cpu.cpp, through quantization/gguf_blocks.py's methods).
+
+Oracles: `gguf.dequantize` (the package's own numpy code) for the weights, bit for bit, and
+F.linear in float64 on those weights for the layer outputs (the kernels multiply x by the
+exact weights in float32: only the summation order differs). Blocks come from
+`gguf.quants.quantize` where it can write the type, else random bytes with finite scales
+(tests/gguf_utils.py). tests/engine/test_isa_variants.py re-runs this file per ISA variant.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gemv_cases import BF16_ULP
+from gguf_utils import quantized
+
+from pagedserve.models.gguf import GGUFQuantizedTensor
+from pagedserve.models.layers.linear import MergedColumnParallelLinear
+from pagedserve.quantization import gemv
+from pagedserve.quantization.gguf_blocks import gguf_method
+from pagedserve.quantization.gguf_decode import BLOCKS, decode
+
+gguf = pytest.importorskip("gguf")
+
+IN, OUT = 512, 48  # 512: two K-quant super-blocks; 48: three channel tiles per shard
+
+
+def _tensor(qtype: str, seed: int, rows: int = OUT) -> tuple[GGUFQuantizedTensor, torch.Tensor]:
+    """(the blocks, gguf.dequantize of them as float32 (rows, IN))."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, IN)) * 0.05).astype(np.float32)
+    raw = np.ascontiguousarray(quantized(w, qtype, rng))
+    want = gguf.dequantize(raw, gguf.GGMLQuantizationType[qtype]).astype(np.float32).reshape(rows, IN)
+    return GGUFQuantizedTensor(qtype, (rows, IN), torch.from_numpy(raw)), torch.from_numpy(want)
+
+
+@pytest.mark.parametrize("qtype", list(BLOCKS))
+def test_integer_form_is_gguf_dequantize_bit_for_bit(qtype: str):
+    blocks, want = _tensor(qtype, 0)
+    got = decode(qtype, blocks.blocks, blocks.shape).dequantize()
+    if qtype == "Q4_0":  # q d + (-8 d) gives +0 where gguf's (q - 8) d gives -0 (d < 0)
+        assert torch.equal(got, want)
+    else:
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def _layer(qtypes: tuple[str, ...], bias: bool) -> tuple[MergedColumnParallelLinear, torch.Tensor]:
+    """A fused layer with one shard per type, loaded through its GGUF method."""
+    layer = MergedColumnParallelLinear(IN, [OUT] * len(qtypes), bias=bias)
+    method = gguf_method(set(qtypes), kernel=True)
+    assert method is not None
+    layer.set_quant_method(method)
+    parts = [_tensor(t, i + 1) for i, t in enumerate(qtypes)]
+    for shard, (blocks, _) in enumerate(parts):
+        layer.weight.weight_loader(layer.weight, blocks, shard)
+    if bias:
+        layer.bias.data.copy_(torch.randn(OUT * len(qtypes), generator=torch.Generator().manual_seed(5)))
+    method.process_weights_after_loading(layer)
+    return layer, torch.cat([w for _, w in parts])
+
+
+# Each served form: int4 float32 (s, l0); int8 float16 / float32 scales; int8 affine with
+# groups of 16 (Q6_K beside a K-quant); the types people publish alone and fused.
+CASES = [("Q4_K",), ("Q4_K", "Q4_0"), ("Q6_K",), ("Q5_0",), ("Q5_0", "Q8_0"), ("IQ4_NL",),
+         ("IQ4_XS",), ("Q5_1",), ("Q5_K",), ("Q4_K", "Q6_K"), ("Q6_K", "Q8_0", "Q5_1")]
+ROWS = (1, 3, 32, 45, 200)  # one GEMV call; chunks of 32 (up to 128); the GEMM path
+
+needs_kernel = pytest.mark.skipif(gemv.gemv_ops() is None, reason="GEMV kernel unavailable (no AVX2/FMA)")
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtypes", CASES, ids="+".join)
+def test_layer_holds_the_files_values_and_multiplies_them(qtypes: tuple[str, ...]):
+    layer, want_w = _layer(qtypes, bias=True)
+    method = layer.quant_method
+    assert method.name == ("gguf-q4" if set(qtypes) <= {"Q4_0", "Q4_1", "Q4_K"} else "gguf-int8")
+    held = method.dequantized_weight(layer)
+    assert torch.equal(held, want_w)
+    gen = torch.Generator().manual_seed(3)
+    for rows in ROWS:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, IN, generator=gen).to(dtype)
+            got = method.apply(layer, x)
+            want = F.linear(x.double(), want_w.double(), layer.bias.double())
+            magnitude = F.linear(x.double().abs(), want_w.double().abs()) + layer.bias.double().abs()
+            bound = 1e-5 * magnitude
+            if dtype == torch.bfloat16:  # one rounding of y; past the GEMV rows, a bf16 model's
+                # GEMM may multiply bf16-rounded weights (where the CPU multiplies bf16 natively)
+                gemm = rows > gemv.CHUNKED_MAX_ROWS
+                bound = bound + want.abs() * BF16_ULP + (magnitude * BF16_ULP if gemm else 0)
+            assert got.dtype == dtype and got.shape == want.shape
+            assert ((got.double() - want).abs() <= bound + 1e-6).all(), (rows, dtype)
+
+
+@needs_kernel
+def test_the_decode_op_is_the_apply_of_a_decode_step():
+    """What the C++ decoder loop calls (`decode_op`) computes what `apply` does."""
+    layer, _ = _layer(("Q4_K", "Q6_K"), bias=False)
+    op, args = layer.quant_method.decode_op(layer)
+    x = torch.randn(4, IN)
+    assert torch.equal(getattr(gemv._ops(), op)(x, *args, None), layer.quant_method.apply(layer, x))
+
+
+@needs_kernel
+def test_parameters_take_the_fewest_bytes_that_are_exact():
+    """float16 where every shard's are exact in it (Q5_0, Q8_0); float32 for d * sub-block
+    scale; (s, l0) pairs and groups of 16 only where a shard needs them."""
+    forms = {
+        ("Q5_0", "Q8_0"): (torch.float16, 3, 16),
+        ("Q6_K",): (torch.float32, 3, 32),
+        ("Q4_K", "Q6_K"): (torch.float32, 4, 32),
+        ("Q5_K",): (torch.float32, 4, 16),
+    }
+    for qtypes, (dtype, dims, groups) in forms.items():
+        layer, _ = _layer(qtypes, bias=False)
+        scales = layer.scale_tiles
+        assert (scales.dtype, scales.dim(), scales.shape[1]) == (dtype, dims, groups), qtypes
+    layer, _ = _layer(("Q4_K",), bias=False)
+    assert layer.scales_zeros_tiles.dtype == torch.float32 and layer.qweight_tiles.shape[-1] == 8
+
+
+@needs_kernel
+def test_kernel_refuses_malformed_parameters():
+    q = torch.zeros(1, 64, 16, dtype=torch.int8)
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="float16 / float32"):
+        gemv.int8_grouped(x, q, torch.zeros(1, 2, 16, dtype=torch.bfloat16), None)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        gemv.int8_grouped(x, q, torch.zeros(1, 8, 16), None)
