@@ -52,7 +52,7 @@ from pagedserve.server.serving_common import (
     submit,
     token_text,
 )
-from pagedserve.server.tool_calls import ToolMode
+from pagedserve.server.tool_calls import ToolMode, adapt_to_template
 from pagedserve.structured_outputs.reasoning import after_reasoning
 
 
@@ -82,12 +82,17 @@ async def render_chat(ctx: ServerContext, body: ChatCompletionRequest | Tokenize
     tools = [t.model_dump() for t in given] if given else None
     messages = [m.as_template_input() for m in body.messages or []]
     processor = ctx.processor
+    template = ctx.chat_template or getattr(processor.tokenizer, "chat_template", None)
+    tool_choice = getattr(body, "tool_choice", None)
+    # A template that cannot render tools: described in a system message (tool_calls.py).
+    messages, tools = adapt_to_template(template if isinstance(template, str) else None, messages, tools,
+                                        tool_choice, ctx.tool_call_parser if ctx.enable_auto_tool_choice else None)
     return await ctx.process_off_loop(body, lambda: processor.render_chat(  # type: ignore[arg-type]
         messages, chat_template=ctx.chat_template, tools=tools, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         chat_template_kwargs=template_kwargs(ctx, body),
         chat_template_content_format=ctx.chat_template_content_format,
-        require_tools=getattr(body, "tool_choice", None) != "none",
+        require_tools=tool_choice != "none",
     ))
 
 

@@ -8,13 +8,18 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.entrypoints.chat_utils import _variables
 from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.server.errors import APIError
 from pagedserve.tool_parsers import DeltaToolCall, ToolCall, ToolParser, get_tool_parser
 from pagedserve.tool_parsers.tool_choice import parse_constrained, tool_choice_constraint
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,7 @@ class ToolMode:
     tool_choice: Any = None  # the request's tool_choice, as a plain value
     constraint: StructuredOutputsParams | None = None
     parser: type[ToolParser] | None = None
+    tools: tuple[dict[str, Any], ...] = ()  # the request's tools (qwen3_coder types values by them)
 
     @classmethod
     def for_request(cls, ctx: Any, body: Any) -> ToolMode:
@@ -37,7 +43,7 @@ class ToolMode:
                 raise APIError(400, 'tool_choice "auto" needs the server started with --enable-auto-tool-choice '
                                "and --tool-call-parser (e.g. hermes); or send tool_choice \"required\" or a named "
                                "function", "tool_choice")
-            return cls("auto", "auto", parser=get_tool_parser(ctx.tool_call_parser))
+            return cls("auto", "auto", parser=get_tool_parser(ctx.tool_call_parser), tools=tuple(tools))
         plain = choice if isinstance(choice, str) else choice.model_dump()
         try:
             constraint = tool_choice_constraint(tools, plain, body.parallel_tool_calls)
@@ -50,10 +56,14 @@ class ToolMode:
         if self.choice == "none":
             return text, []
         if self.parser is not None:
-            found = self.parser().extract(text)
+            found = self.new_parser().extract(text)
             return found.content, found.tool_calls
         calls = parse_constrained(text, self.tool_choice)
         return (None, calls) if calls else (text, [])
+
+    def new_parser(self) -> ToolParser:
+        assert self.parser is not None
+        return self.parser(list(self.tools))
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
@@ -64,7 +74,7 @@ class ToolStream:
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
-        self.parser = mode.parser() if mode.parser is not None else None
+        self.parser = mode.new_parser() if mode.parser is not None else None
         self.num_calls = 0
         self._text: list[str] = []
 
@@ -94,3 +104,79 @@ class ToolStream:
             deltas.append(DeltaToolCall(index, arguments=call.arguments))
         self.num_calls = len(parsed)
         return None, deltas
+
+
+# ---- templates that cannot render tools ----------------------------------------------------
+#
+# Many templates (SmolLM2's, base models') never read `tools`. vLLM passes the tools anyway
+# and the template drops them; we do the same, logged once per template, and:
+#   - "required" / named: the grammar still forces a schema-valid call;
+#   - "auto": the tools and the --tool-call-parser's call format are described in a system
+#     message (prepended to the conversation's own system message, if any), so the model
+#     can call them and the parser can read the call;
+#   - earlier turns' assistant tool_calls and role "tool" results are rendered as text
+#     (<tool_call> / <tool_response> blocks), which any template can show.
+
+_LOGGED_TEMPLATES: set[int] = set()
+TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                  "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n")
+
+
+def template_renders_tools(template: str) -> bool:
+    return "tools" in _variables(template)
+
+
+def adapt_to_template(template: str | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      tool_choice: Any, parser: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) to render: unchanged for a template that renders tools, else the
+    fallback above (tools then None: the template would ignore them)."""
+    if not tools or template is None or template_renders_tools(template):
+        return messages, tools
+    if hash(template) not in _LOGGED_TEMPLATES:
+        _LOGGED_TEMPLATES.add(hash(template))
+        logger.info("the chat template does not render tools: tool_choice \"auto\" describes them in a system "
+                    "message, \"required\" and named choices force the call with a grammar (see "
+                    "docs/vllm_compatibility.md)")
+    plain = [_as_text(message) for message in messages]
+    if tool_choice in (None, "auto") and parser is not None:
+        plain = _with_tools_system(plain, tools, get_tool_parser(parser).format_hint)
+    return plain, None
+
+
+def _with_tools_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                       format_hint: str) -> list[dict[str, Any]]:
+    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    text = f"{TOOLS_PREAMBLE}{listed}\n</tools>\n\n{format_hint}"
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = messages[0]
+        return [{**first, "content": f"{_text(first.get('content'))}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def _as_text(message: dict[str, Any]) -> dict[str, Any]:
+    if message.get("role") == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{_text(message.get('content'))}\n</tool_response>"}
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    blocks = [json.dumps({"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])},
+                         ensure_ascii=False) for c in calls]
+    text = "\n".join(f"<tool_call>\n{block}\n</tool_call>" for block in blocks)
+    content = _text(message.get("content"))
+    rest = {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**rest, "content": f"{content}\n{text}" if content else text}
+
+
+def _arguments(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content or ""

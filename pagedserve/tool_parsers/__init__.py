@@ -10,8 +10,15 @@ from pagedserve.tool_parsers.base import (
     ToolParser,
 )
 from pagedserve.tool_parsers.hermes import HermesToolParser
+from pagedserve.tool_parsers.llama3_json import Llama3JsonToolParser
+from pagedserve.tool_parsers.mistral import MistralToolParser
+from pagedserve.tool_parsers.pythonic import PythonicToolParser
+from pagedserve.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+                                       PythonicToolParser, Qwen3CoderToolParser)
+}
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def tool_call_id() -> str:
@@ -41,9 +42,18 @@ class StreamDelta:
 
 
 class ToolParser:
-    """Parses one model's tool-call format. One instance per response (it keeps stream state)."""
+    """Parses one model's tool-call format. One instance per response (it keeps stream state).
+
+    tools: the request's tools (OpenAI's shape), for formats whose values are typed by the
+    tool's schema (qwen3_coder)."""
 
     name = ""
+    # How the model is told to call, when the chat template cannot list the tools itself
+    # (the server then describes them in a system message: server/tool_calls.py).
+    format_hint = ""
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self.tools = tools or []
 
     def extract(self, text: str) -> ExtractedToolCalls:
         raise NotImplementedError

@@ -202,9 +202,11 @@ def test_template_without_tools_and_auto_without_parser_are_400() -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
         assert "took longer" in r.json()["error"]["message"]
         body = {"model": TEST_MODEL, "messages": MESSAGES, "tools": [WEATHER], "tool_choice": "required"}
+        # "required" on a template that cannot render tools is served (the grammar forces the
+        # call: test_tools_fallback.py); here only the grammar's compile deadline refuses it.
         r = httpx.post(live.v1 + "/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-        assert "--chat-template" in r.json()["error"]["message"]
+        assert "took longer" in r.json()["error"]["message"]
         r = httpx.post(live.v1 + "/chat/completions", json={**body, "tool_choice": "auto"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
         assert "--enable-auto-tool-choice" in r.json()["error"]["message"]

@@ -82,3 +82,101 @@ def test_required_schema_and_parse() -> None:
     calls = parse_constrained('[{"name": "g", "parameters": {"a": 1}}]', "required")
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("g", {"a": 1})]
     assert parse_constrained('[{"name": "g", "param', "required") == []
+
+
+# ---- every parser: recorded outputs of its family ------------------------------------------
+
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "metric": {"type": "boolean"}, "opts": {"type": "object"}}}}}]
+
+# (parser, recorded model output, expected content, expected [(name, arguments as a value)])
+RECORDED = [
+    # SmolLM2's layout: a list inside one block; its "no call" is an empty list.
+    ("hermes", '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+               '{"name": "get_time", "arguments": {"zone": "CET"}}]</tool_call>',
+     None, [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]),
+    ("hermes", "I don't need a tool. <tool_call>[]</tool_call>", "I don't need a tool.", []),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": "</tool"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>', None, [("f", {"a": "</tool"}), ("g", {})]),
+    # Llama 3.1 / 3.2 JSON, with and without <|python_tag|>, parallel calls split by ";".
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "San Francisco, CA", '
+                    '"metric": false}}', None, [("get_weather", {"city": "San Francisco, CA", "metric": False})]),
+    ("llama3_json", '{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {"y": [1, {"z": "}"}]}}',
+     None, [("a", {"x": 1}), ("b", {"y": [1, {"z": "}"}]})]),
+    ("llama3_json", "The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
+    ("llama3_json", '{"not": "a call"}', '{"not": "a call"}', []),
+    # Mistral: 7B-v0.3's list, and the v11 tokenizers' name[ARGS]{...} per call.
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+                '{"name": "get_weather", "arguments": {"city": "Lyon"}}]',
+     None, [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Lyon"})]),
+    ("mistral", 'Let me look. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}',
+     "Let me look.", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]),
+    ("mistral", "Bonjour ! [TOOL_CALL is not the marker", "Bonjour ! [TOOL_CALL is not the marker", []),
+    # Pythonic (Llama 3.2 / 4, Gemma 3): Python literals become JSON.
+    ("pythonic", '[get_weather(city="San Francisco", metric=True, opts={"a": (1, None)}), get_time(zone=\'C,E)T\')]',
+     None, [("get_weather", {"city": "San Francisco", "metric": True, "opts": {"a": [1, None]}}),
+            ("get_time", {"zone": "C,E)T"})]),
+    ("pythonic", '<|python_start|>[search(query="llama \\"4\\"", k=3)]<|python_end|>', None,
+     [("search", {"query": 'llama "4"', "k": 3})]),
+    ("pythonic", "I cannot call [anything] here.", "I cannot call [anything] here.", []),
+    # Qwen3-Coder XML: values typed by the tool's schema.
+    ("qwen3_coder", "I'll check both.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n12 Main\nSt\n"
+                    "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\nfalse\n</parameter>\n"
+                    "<parameter=opts>\n{\"x\": [1, 2]}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+                    "<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n</function>\n</tool_call>",
+     "I'll check both.", [("get_weather", {"city": "12 Main\nSt", "days": 3, "metric": False, "opts": {"x": [1, 2]}}),
+                          ("get_time", {"zone": "CET"})]),
+    ("qwen3_coder", "Plain answer with <b>tags</b>.", "Plain answer with <b>tags</b>.", []),
+]
+
+
+def _stream_any(name: str, text: str, bounds: list[int]) -> tuple[str, list[tuple[str, str]], list[str]]:
+    parser = get_tool_parser(name)(WEATHER_TOOLS)
+    content, names, args, ids = "", {}, {}, []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        deltas = [parser.feed(text[a:b])]
+        if b == len(text):
+            deltas.append(parser.finish())
+        for d in deltas:
+            content += d.content
+            for call in d.tool_calls:
+                if call.id is not None:
+                    assert call.index == len(names) and call.name and call.arguments == ""  # OpenAI's first piece
+                    names[call.index] = call.name
+                    ids.append(call.id)
+                else:
+                    assert call.index in names and call.name is None
+                args[call.index] = args.get(call.index, "") + (call.arguments or "")
+    return content, [(names[i], args[i]) for i in sorted(names)], ids
+
+
+@pytest.mark.parametrize(("name", "text", "content", "calls"), RECORDED, ids=[f"{c[0]}-{i}" for i, c in enumerate(RECORDED)])
+def test_recorded_outputs(name: str, text: str, content: str | None, calls: list) -> None:  # type: ignore[type-arg]
+    whole = get_tool_parser(name)(WEATHER_TOOLS).extract(text)
+    assert whole.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == calls
+    streamed_content, streamed, ids = _stream_any(name, text, list(range(len(text) + 1)))
+    assert streamed == [(c.name, c.arguments) for c in whole.tool_calls]
+    assert (streamed_content.strip() or None) == content
+    assert len(set(ids)) == len(ids)
+    if name == "mistral":  # Mistral's templates take only 9-character alphanumeric ids back
+        assert all(len(i) == 9 and i.isalnum() for i in ids + [c.id for c in whole.tool_calls])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(RECORDED), st.lists(st.integers(0, 400), max_size=12))
+def test_recorded_any_split(case: tuple, cuts: list[int]) -> None:  # type: ignore[type-arg]
+    name, text, content, _ = case
+    whole = get_tool_parser(name)(WEATHER_TOOLS).extract(text)
+    bounds = sorted({0, len(text), *[c % (len(text) + 1) for c in cuts]})
+    streamed_content, calls, _ = _stream_any(name, text, bounds)
+    assert calls == [(c.name, c.arguments) for c in whole.tool_calls]
+    assert (streamed_content.strip() or None) == content
+
+
+def test_registry() -> None:
+    from pagedserve.tool_parsers import TOOL_PARSERS
+
+    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
+    assert all(parser.format_hint for parser in TOOL_PARSERS.values())
