@@ -22,13 +22,14 @@ SUBCOMMANDS = {
     "sharing": ("sharing", "KV memory saved by sharing blocks (parallel sampling, beam search)"),
     "lora": ("lora", "multi-LoRA serving"),
     "sweep": ("sweep", "batch size, context length, dtype and block size sweeps (125M model)"),
-    "report": ("report", "run everything and write docs/benchmarks (figures, tables, how to read them)"),
+    "report": ("report", "run everything and write docs/benchmarks (figures, tables, how to read them); "
+                         "with --models: the per-model study (latency, batch, context, quantization, KV, LoRA)"),
 }
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("output and run")
-    group.add_argument("--out-dir", default="docs/benchmarks", help="where JSON, Markdown and PNG files go")
+    group.add_argument("--out-dir", "--out", default="docs/benchmarks", help="where JSON, Markdown and PNG files go")
     group.add_argument("--name", default=None, help="output file stem (default: the benchmark's)")
     group.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals")
     group.add_argument("--threads", type=int, default=DEFAULT_THREADS,

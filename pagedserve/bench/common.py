@@ -95,11 +95,17 @@ def llm_accepts(name: str) -> bool:
 
 
 def resolve_model_path(model: str) -> str:
-    """A folder as given, or a demo model built on first use ("llama-gqa", "bench-125m", ...)."""
+    """A folder or file as given, a demo model built on first use ("llama-gqa", "bench-125m",
+    ...), or a catalog name ("smollm2-135m-instruct", ...) pulled on first use."""
     from pagedserve.demo_models import get_model_path, model_names
+    from pagedserve.models.catalog import CATALOG, ensure
 
-    if not Path(model).exists() and model in model_names():
+    if Path(model).exists():
+        return model
+    if model in model_names():
         return str(get_model_path(model))
+    if model in CATALOG:
+        return str(ensure(model))
     return model
 
 
@@ -178,14 +184,14 @@ def progress(total: int, desc: str, enabled: bool, leave: bool = False) -> Any:
     return tqdm(total=total, desc=desc, disable=not enabled, leave=leave, dynamic_ncols=True)
 
 
-def _json_clean(value: Any) -> Any:
+def json_clean(value: Any) -> Any:
     # JSON has no inf or nan: write them as strings.
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {str(k): _json_clean(v) for k, v in value.items()}
+        return {str(k): json_clean(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_clean(v) for v in value]
+        return [json_clean(v) for v in value]
     return value
 
 
@@ -195,7 +201,7 @@ def write_outputs(out_dir: str | Path, name: str, data: dict[str, Any], markdown
     out.mkdir(parents=True, exist_ok=True)
     data = {"benchmark": name, "date": time.strftime("%Y-%m-%d %H:%M"), **data}
     paths = [out / f"{name}.json", out / f"{name}.md"]
-    paths[0].write_text(json.dumps(_json_clean(data), indent=2) + "\n")
+    paths[0].write_text(json.dumps(json_clean(data), indent=2) + "\n")
     paths[1].write_text(markdown.rstrip() + "\n")
     return paths
 

@@ -98,22 +98,33 @@ def _run_k(model: str, requests: list, k: int, args: argparse.Namespace, base_ca
             "disk_loads": getattr(manager, "num_disk_loads", 0), "device_loads": getattr(manager, "num_device_loads", 0)}
 
 
-def build_adapters(model_path: str, k: int, rank: int, targets: list[str], seed: int) -> list[Any]:
-    """K random LoRA adapters of the model, cached under the demo-model cache."""
+def build_adapters(model_path: str, k: int, rank: int | list[int], targets: list[str], seed: int,
+                   config: Any = None, first_id: int = 1) -> list[Any]:
+    """K random LoRA adapters of the model, cached under the demo-model cache.
+
+    `rank` may be a list: adapter i gets rank[i % len(rank)] (a mixed-rank population).
+    `config`: the model's Hugging Face config (default: read from `model_path`'s config.json;
+    a .gguf file has none, so callers with an engine pass `engine.runner.hf_config`).
+    Adapter i is `LoRARequest` id first_id + i: an engine serving several populations needs
+    them apart (an id names one adapter folder for the engine's life).
+    """
     from pagedserve.demo_models import default_cache_dir
     from pagedserve.lora.request import LoRARequest
 
+    ranks = rank if isinstance(rank, list) else [rank]
     root = default_cache_dir() / "adapters"
     adapters = []
     for i in range(k):
-        key = json.dumps([str(Path(model_path).resolve()), rank, targets, seed + i, 2])
-        folder = root / f"bench-r{rank}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-        adapters.append(LoRARequest(f"bench-{i}", i + 1, str(write_random_adapter(model_path, folder, rank,
-                                                                                  targets, seed + i))))
+        r = ranks[i % len(ranks)]
+        key = json.dumps([str(Path(model_path).resolve()), r, targets, seed + i, 2])
+        folder = root / f"bench-r{r}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+        path = write_random_adapter(model_path, folder, r, targets, seed + i, config)
+        adapters.append(LoRARequest(f"bench-{first_id + i}", first_id + i, str(path)))
     return adapters
 
 
-def write_random_adapter(model_path: str, folder: Path, rank: int, targets: list[str], seed: int) -> Path:
+def write_random_adapter(model_path: str, folder: Path, rank: int, targets: list[str], seed: int,
+                         config: Any = None) -> Path:
     """A random LoRA adapter in PEFT's file layout for a Llama-style model; returns `folder`.
 
     A ~ N(0, 1/in), B ~ N(0, 0.01^2) (non-zero, so the adapter changes the outputs),
@@ -128,7 +139,7 @@ def write_random_adapter(model_path: str, folder: Path, rank: int, targets: list
 
     if (folder / "adapter_config.json").is_file():
         return folder
-    config = AutoConfig.from_pretrained(model_path)
+    config = config if config is not None else AutoConfig.from_pretrained(model_path)
     dims = module_dims_for(config)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}

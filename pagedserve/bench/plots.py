@@ -10,7 +10,7 @@ _NAMES = {"token_states": "token states", "reserved": "reserved", "internal": "i
           "external": "external frag."}
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib
     except ImportError as exc:
@@ -22,18 +22,18 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, out_dir: str | Path, name: str) -> Path:
+def save_figure(fig: Any, out_dir: str | Path, name: str) -> Path:
     path = Path(out_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
 def plot_memory(data: dict[str, Any], out_dir: str | Path) -> Path:
     """Stacked bars: share of KV memory per category, one bar per allocation scheme."""
-    plt = _pyplot()
+    plt = pyplot()
     results = data["results"]
     fig, ax = plt.subplots(figsize=(8, 4.2))
     labels = [r["label"] for r in results]
@@ -50,7 +50,7 @@ def plot_memory(data: dict[str, Any], out_dir: str | Path) -> Path:
     ax.set_title("KV cache memory breakdown (ShareGPT-like trace)")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, fontsize=8)
     plt.setp(ax.get_xticklabels(), rotation=15, ha="right", fontsize=8)
-    return _save(fig, out_dir, "memory_breakdown.png")
+    return save_figure(fig, out_dir, "memory_breakdown.png")
 
 
 def _series(results: list[dict], key: str) -> dict[str, tuple[list[float], list[float]]]:
@@ -75,7 +75,7 @@ def _get(result: dict, key: str) -> float:
 
 def plot_online(data: dict[str, Any], out_dir: str | Path, name: str) -> Path:
     """Normalized latency (paper Fig. 12) and mean batched requests (Fig. 13) vs request rate."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for label, (xs, ys) in _series(data["results"], "normalized_latency_s").items():
         ax1.plot(xs, [1000 * y for y in ys], marker="o", label=label)
@@ -87,7 +87,7 @@ def plot_online(data: dict[str, Any], out_dir: str | Path, name: str) -> Path:
     ax2.set(xlabel="request rate (req/s)", ylabel="mean batched requests", title=f"{workload}: batch size")
     _plain_log_ticks(ax1)
     ax1.legend(fontsize=8)
-    return _save(fig, out_dir, f"{name}.png")
+    return save_figure(fig, out_dir, f"{name}.png")
 
 
 def _plain_log_ticks(ax: Any) -> None:
@@ -101,7 +101,7 @@ def _plain_log_ticks(ax: Any) -> None:
 
 def plot_batching(data: dict[str, Any], out_dir: str | Path, name: str) -> Path:
     """Throughput and TTFT / TPOT / E2E (means) vs request rate, one line per policy."""
-    plt = _pyplot()
+    plt = pyplot()
     panels = [("output_throughput", "output tok/s", 1.0), ("ttft_ms.mean", "mean TTFT (ms)", 1.0),
               ("tpot_ms.mean", "mean TPOT (ms)", 1.0), ("e2e_ms.mean", "mean E2E latency (s)", 1e-3)]
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.8))
@@ -111,12 +111,12 @@ def plot_batching(data: dict[str, Any], out_dir: str | Path, name: str) -> Path:
         ax.set(xlabel="request rate (req/s)", ylabel=ylabel)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Batching policies, {data['settings']['workload']}")
-    return _save(fig, out_dir, f"{name}.png")
+    return save_figure(fig, out_dir, f"{name}.png")
 
 
 def plot_sweep(data: dict[str, Any], out_dir: str | Path, name: str = "sweep") -> Path:
     """One row per swept axis: speed and latencies, then the KV footprint, against the axis value."""
-    plt = _pyplot()
+    plt = pyplot()
     axes_data = data["axes"]
     panels = [("output_throughput", "output tok/s", 1.0), ("ttft_ms.mean", "mean TTFT (ms)", 1.0),
               ("tpot_ms.mean", "mean TPOT (ms)", 1.0), ("e2e_ms.mean", "mean E2E (ms)", 1.0),
@@ -136,23 +136,23 @@ def plot_sweep(data: dict[str, Any], out_dir: str | Path, name: str = "sweep") -
             if key == "token_state_share":
                 ax.set_ylim(0, 105)  # a share: keep the scale honest
     fig.suptitle(f"Sweeps on {data['settings']['model']}")
-    return _save(fig, out_dir, f"{name}.png")
+    return save_figure(fig, out_dir, f"{name}.png")
 
 
 def plot_sharing(data: dict[str, Any], out_dir: str | Path, name: str = "sharing") -> Path:
     """Bars: KV memory saved by block sharing, per parallel-sampling / beam-search mode."""
-    plt = _pyplot()
+    plt = pyplot()
     ok = [r for r in data["results"] if "error" not in r]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     colors = ["#4c72b0" if r["mode"].startswith("n=") else "#dd8452" for r in ok]
     ax.bar([r["mode"] for r in ok], [100 * r["memory_saving"] for r in ok], color=colors)
     ax.set(ylabel="KV memory saved by sharing (%)", title="Block sharing: parallel sampling (blue), beam search")
-    return _save(fig, out_dir, f"{name}.png")
+    return save_figure(fig, out_dir, f"{name}.png")
 
 
 def plot_lora(data: dict[str, Any], out_dir: str | Path, name: str = "lora") -> Path:
     """Capacity and normalized latency against the number of distinct adapters."""
-    plt = _pyplot()
+    plt = pyplot()
     results = data["results"]
     labels = [str(r["num_adapters"] or "base") for r in results]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -162,4 +162,4 @@ def plot_lora(data: dict[str, Any], out_dir: str | Path, name: str = "lora") -> 
     ax2.set(xlabel="distinct adapters", ylabel="normalized latency (ms/token)",
             title=f"Poisson at {data['settings']['rate_fraction']} x base capacity")
     fig.suptitle(f"Multi-LoRA serving ({data['settings']['max_loras']} adapters resident at most)")
-    return _save(fig, out_dir, f"{name}.png")
+    return save_figure(fig, out_dir, f"{name}.png")

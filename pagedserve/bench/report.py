@@ -1,6 +1,8 @@
 """`pagedserve bench report`: every benchmark, then one Markdown page tying them together.
 
     pagedserve bench report                # everything: ~19 min on the shared 2-core box
+    pagedserve bench report --models smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct --out DIR [--quick]
+                                           # the per-model study instead (bench/study.py)
     pagedserve bench report --quick        # the same pipeline on tiny settings, ~2.5 min
     pagedserve bench report --render-only  # rewrite report.md from the results on disk
 
@@ -19,6 +21,9 @@ from typing import Any
 
 from pagedserve.bench.cli import parse_bench_args, run_bench
 from pagedserve.bench.common import parse_list
+from pagedserve.bench.study import PARTS as STUDY_PARTS
+from pagedserve.bench.study import add_arguments as add_study_arguments
+from pagedserve.bench.study import run_study
 
 # part -> (bench subcommand, its arguments). Budgeted for ~20 min on 2 shared cores.
 PARTS: dict[str, tuple[str, list[str]]] = {
@@ -112,12 +117,16 @@ METHOD = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
+    parser.add_argument("--parts", default=None,
+                        help=f"comma-separated subset of {', '.join(PARTS)} (with --models: of {', '.join(STUDY_PARTS)})")
     parser.add_argument("--render-only", action="store_true",
                         help="rewrite report.md from the results already in --out-dir (no benchmark runs)")
+    add_study_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.models:
+        return run_study(args)
     if args.render_only:
         saved = json.loads((Path(args.out_dir) / "report.json").read_text())
         path = write_report(Path(args.out_dir), saved["timings"], saved["total_s"], saved["quick"])
@@ -127,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     common += (["--quick"] if args.quick else []) + ([] if args.progress else ["--no-progress"])
     timings: dict[str, Any] = {}
     start = time.perf_counter()
-    for part in parse_list(args.parts):
+    for part in parse_list(args.parts or ",".join(PARTS)):
         command, extra = PARTS[part]
         t0 = time.perf_counter()
         code: int | str

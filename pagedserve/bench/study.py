@@ -1,0 +1,345 @@
+"""`pagedserve bench report --models A,B,...`: the per-model study, one resumable cell at a time.
+
+Parts (each a list of cells per model, `cells.py` saves each as it finishes):
+
+    info      the model loaded once: architecture, vocabulary, context limit, KV bytes/token
+    latency   all requests queued (capacity C, and the step-time model of bench/clock.py),
+              then Poisson arrivals at fractions of C: TTFT / TPOT / E2E p50 and p99
+    batch     B requests queued at once, B = 1 ... 64: throughput against batch size
+    context   one request of prompt length L: prefill (TTFT) and decode (TPOT) against L
+    quant     the same requests per weight format: the file's own, int8, int4, bf16, fp32
+    memory    a ShareGPT-like trace in a bounded KV pool: bytes per token and the share of
+              the pool holding live token states (the vLLM paper's waste breakdown)
+    lora      K random adapters (PEFT layout) of rank r over the same requests, and the base
+    peer      llama.cpp on the same cells: not run here (no peer server given), said so
+
+Engines are built per distinct configuration and reused by consecutive cells (loading a
+real model costs more than most cells). `study_report.py` turns the cells into the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from pagedserve.bench.cells import Cell, CellStore, run_cells
+from pagedserve.bench.clock import FEATURES, StepCostModel, fit_step_model, modelled_makespan
+from pagedserve.bench.common import (
+    EngineSpec,
+    make_engine,
+    parse_list,
+    resolve_model_path,
+    torch_threads,
+    warm_up,
+)
+from pagedserve.bench.lora import build_adapters
+from pagedserve.bench.online import MIN_FIT_STEPS
+from pagedserve.bench.sim import run_simulated, summarize
+from pagedserve.bench.study_report import describe_run, write_study_report
+from pagedserve.bench.workloads import (
+    WorkloadRequest,
+    arrival_times,
+    fit_to_context,
+    fixed,
+    synthetic,
+)
+
+PARTS = ("info", "latency", "batch", "context", "quant", "memory", "lora", "peer")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MIXED_RANKS = [8, 16, 64]
+PEER_MISSING = ("llama.cpp peer not available: no llama.cpp server was given to run on the same cells "
+                "(issue #39.3; build one in a scratch folder, it is never a project dependency)")
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    """What each part measures; `QUICK` is the same study on a budget of minutes per model."""
+
+    parts: tuple[str, ...] = PARTS
+    workload: str = "alpaca"  # latency: Alpaca-like lengths (prompt ~19, output ~58 tokens)
+    num_requests: int = 64  # per latency, memory and LoRA cell
+    rate_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    prompt_len: int = 64  # batch, quant and lora cells: every request prompt_len / output_len
+    output_len: int = 32
+    context_lens: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
+    context_output_len: int = 16
+    quant_levels: tuple[str, ...] = ("native", "int8", "int4", "bfloat16", "float32")
+    quant_requests: int = 8
+    memory_kv_tokens: int = 8192  # small enough that the ShareGPT-like trace fills it
+    lora_counts: tuple[int, ...] = (1, 4, 16, 64, 256)
+    lora_ranks: tuple[str, ...] = ("8", "16", "64", "mixed")
+    max_loras: int = 16  # adapters resident at once; more are evicted and reloaded
+    repeats: int = 2  # offline cells: fastest of this many runs (other load only adds time)
+    seed: int = 0
+
+
+QUICK = StudySettings(num_requests=24, rate_fractions=(0.3, 0.6, 0.9), batch_sizes=(1, 4, 16),
+                      context_lens=(256, 1024), context_output_len=8, quant_levels=("native", "int8", "bfloat16"),
+                      quant_requests=4, lora_counts=(1, 4), lora_ranks=("8",),
+                      repeats=1)
+
+# args attribute -> (settings field, element type) for the list-valued overrides.
+_LIST_FLAGS = {"rate_fractions": float, "batch_sizes": int, "context_lens": int, "quant_levels": str,
+               "lora_counts": int, "lora_ranks": str}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the per-model study (on `bench report`; they apply with --models)."""
+    group = parser.add_argument_group("per-model study (with --models)")
+    group.add_argument("--models", default=None,
+                       help="comma-separated catalog names (`pagedserve models`), demo models or paths: "
+                            "run the per-model study instead of the engine-baseline report")
+    for flag in _LIST_FLAGS:
+        group.add_argument("--" + flag.replace("_", "-"), default=None, help=f"comma-separated (default: {flag} "
+                           f"{','.join(map(str, getattr(StudySettings(), flag)))}; --quick: fewer)")
+    group.add_argument("--num-requests", type=int, default=None, help="requests per latency, memory and LoRA cell")
+    group.add_argument("--retry-errors", action="store_true", help="rerun cells saved with an error")
+
+
+def settings_from_args(args: argparse.Namespace, parts: list[str] | None) -> StudySettings:
+    base = replace(QUICK if args.quick else StudySettings(), seed=args.seed)
+    changes: dict[str, Any] = {f: tuple(parse_list(v, kind)) for f, kind in _LIST_FLAGS.items()
+                               if (v := getattr(args, f, None)) is not None}
+    if args.num_requests is not None:
+        changes["num_requests"] = args.num_requests
+    if parts is not None:
+        unknown = set(parts) - set(PARTS)
+        if unknown:
+            raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; the study has {', '.join(PARTS)}")
+        changes["parts"] = tuple(p for p in PARTS if p in parts or p == "info")  # info: the others need it
+    return replace(base, **changes)
+
+
+def run_study(args: argparse.Namespace) -> int:
+    """Runs the cells not on disk yet (all of them with --retry-errors), then writes the report.
+
+    Exit 1 when a cell holds an error (the report still shows every cell, with its reason).
+    """
+    models = parse_list(args.models)
+    settings = settings_from_args(args, parse_list(args.parts) if args.parts else None)
+    out = Path(args.out_dir)
+    store = CellStore(out)
+    cells = plan(models, settings)
+    if args.render_only:
+        records = {c: r for c in cells if (r := store.load(c)) is not None}
+    else:
+        runner = StudyRunner(store, settings)
+        with torch_threads(args.threads):
+            try:
+                records, ran = run_cells(cells, store, runner.measure, args.progress, args.retry_errors)
+            finally:
+                runner.close()
+        print(f"[study] {ran} cells run, {len(cells) - ran} already on disk")
+    path = write_study_report(out, models, records, settings.parts, study_command(args), describe_run())
+    failed = [c.name for c, r in records.items() if "error" in r["result"]]
+    print(f"[study] wrote {path}" + (f"; cells with errors: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def study_command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this study (the flags given, not their defaults)."""
+    words = ["pagedserve bench report", "--models", args.models, "--out", args.out_dir]
+    words += ["--quick"] if args.quick else []
+    for flag in [*_LIST_FLAGS, "num_requests", "parts"]:
+        value = getattr(args, flag, None)
+        if value is not None:
+            words += ["--" + flag.replace("_", "-"), str(value)]
+    return " ".join(words)
+
+
+def plan(models: list[str], s: StudySettings) -> list[Cell]:
+    """Every cell of the study, model by model, in the order they run."""
+    cells: list[Cell] = []
+    for m in models:
+        lat = s.num_requests * 80.0  # Alpaca-like: ~77 tokens per request
+        by_part: dict[str, list[Cell]] = {
+            "info": [Cell(m, "info", "model", cost=8)],
+            "latency": [Cell(m, "latency", "capacity", cost=lat)]
+            + [Cell(m, "latency", f"rate={f:g}", {"fraction": f}, lat) for f in s.rate_fractions],
+            "batch": [Cell(m, "batch", str(b), {"batch": b}, s.repeats * b * (s.prompt_len + s.output_len))
+                      for b in s.batch_sizes],
+            "context": [Cell(m, "context", str(c), {"context": c}, c + 4.0 * s.context_output_len)
+                        for c in s.context_lens],
+            "quant": [Cell(m, "quant", q, {"level": q}, s.quant_requests * (s.prompt_len + s.output_len))
+                      for q in s.quant_levels],
+            "memory": [Cell(m, "memory", "paged", cost=s.num_requests * 500.0)],
+            "lora": [Cell(m, "lora", "base", {"count": 0, "rank": "-"}, s.num_requests * 100.0)]
+            + [Cell(m, "lora", f"n={k},r={r}", {"count": k, "rank": r}, s.num_requests * 100.0 + k)
+               for r in s.lora_ranks for k in s.lora_counts],
+            "peer": [Cell(m, "peer", "llama.cpp", cost=0)],
+        }
+        for part in s.parts:
+            cells += by_part[part]
+    return cells
+
+
+class StudyRunner:
+    """Measures cells; keeps the last engine while consecutive cells share its configuration."""
+
+    def __init__(self, store: CellStore, settings: StudySettings) -> None:
+        self.store, self.s = store, settings
+        self._spec: EngineSpec | None = None
+        self._engine: Any = None
+        self._paths: dict[str, str] = {}
+
+    def measure(self, cell: Cell) -> dict[str, Any]:
+        if cell.part == "peer":
+            return {"available": False, "reason": PEER_MISSING}
+        if cell.part == "info":
+            return self._info(cell.model)
+        info = self._saved_info(cell.model)
+        return dict(getattr(self, f"_{cell.part}")(cell, info))
+
+    def close(self) -> None:
+        self._engine = self._spec = None
+        gc.collect()
+
+    # ---- engines -------------------------------------------------------------------------
+
+    def path(self, model: str) -> str:
+        if model not in self._paths:
+            self._paths[model] = resolve_model_path(model)
+        return self._paths[model]
+
+    def engine(self, spec: EngineSpec) -> Any:
+        if spec != self._spec:
+            self.close()  # the old engine's memory goes before the new one loads
+            engine = make_engine(spec)
+            warm_up(engine)
+            self._engine, self._spec = engine, spec
+        return self._engine
+
+    def _saved_info(self, model: str) -> dict[str, Any]:
+        record = self.store.load(Cell(model, "info", "model"))
+        if record is None or "error" in record["result"]:
+            reason = record["result"]["error"] if record else "no info cell"
+            raise RuntimeError(f"the model did not load ({reason})")
+        return dict(record["result"])
+
+    def _engine_spec(self, info: dict[str, Any], **changes: Any) -> EngineSpec:
+        """The model's one engine configuration for every part but memory (plus `changes`):
+        room for the longest context cell, the largest batch and the latency trace at once,
+        so consecutive cells share one loaded engine and differ only in their requests."""
+        s, limit = self.s, info["max_position_embeddings"]
+        longest = max((c for c in s.context_lens if c + s.context_output_len <= limit), default=0)
+        max_len = min(limit, max(2048, longest + s.context_output_len, s.prompt_len + s.output_len))
+        most = max(s.batch_sizes, default=1)
+        kv_tokens = max(16384, most * (s.prompt_len + s.output_len), max_len) + 256
+        spec = EngineSpec(str(info["path"]), max_model_len=max_len, kv_tokens=kv_tokens, max_num_seqs=max(256, most))
+        return replace(spec, **changes)
+
+    # ---- parts ---------------------------------------------------------------------------
+
+    def _info(self, model: str) -> dict[str, Any]:
+        from pagedserve.models.catalog import CATALOG
+
+        engine = self.engine(EngineSpec(self.path(model), max_model_len=128, kv_tokens=512, max_num_seqs=8))
+        hf, kv = engine.runner.hf_config, engine.runner.kv_cache_spec()
+        entry = CATALOG.get(model)
+        engine.assert_no_leaks()
+        return {"path": self.path(model), "title": entry.title if entry else model,
+                "weights": entry.quantization if entry else "float32 (random weights)",
+                "architecture": (getattr(hf, "architectures", None) or [hf.model_type])[0],
+                "vocab_size": engine.vocab_size,
+                "max_position_embeddings": int(getattr(hf, "max_position_embeddings", 0) or 2048),
+                "sliding_window": getattr(hf, "sliding_window", None),
+                "num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim,
+                "kv_bytes_per_token": kv.bytes_per_token}
+
+    def _run(self, spec: EngineSpec, requests: list[WorkloadRequest], arrivals: list[float] | None = None,
+             repeats: int = 1, **kwargs: Any) -> dict[str, Any]:
+        """The fastest of `repeats` runs of `requests` (all queued unless `arrivals`), summarized."""
+        engine = self.engine(spec)
+        runs = [run_simulated(engine, requests, arrivals or [0.0] * len(requests), id_prefix=f"r{i}-", **kwargs)
+                for i in range(max(1, repeats))]
+        engine.assert_no_leaks()
+        return summarize(min(runs, key=lambda r: r.busy_s))
+
+    def _latency_requests(self, info: dict[str, Any]) -> tuple[EngineSpec, list[WorkloadRequest]]:
+        spec = self._engine_spec(info)
+        requests = synthetic(self.s.workload, self.s.num_requests, info["vocab_size"], self.s.seed)
+        return spec, fit_to_context(requests, spec.max_model_len)
+
+    def _latency(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
+        spec, requests = self._latency_requests(info)
+        if cell.key == "capacity":
+            engine = self.engine(spec)
+            run = run_simulated(engine, requests, [0.0] * len(requests), id_prefix="cap-")
+            engine.assert_no_leaks()
+            model = fit_step_model(run.steps) if len(run.steps) >= MIN_FIT_STEPS else None
+            capacity = len(requests) / (modelled_makespan(run, model) if model else run.makespan_s)
+            return {"capacity_req_s": capacity, "step_model": model.as_dict() if model else None,
+                    "clock": "fitted" if model else "measured", **summarize(run)}
+        capacity_cell = self.store.load(Cell(cell.model, "latency", "capacity"))
+        if capacity_cell is None or "error" in capacity_cell["result"]:
+            raise RuntimeError("the capacity cell of this model failed; no rates to run")
+        cap = capacity_cell["result"]
+        step_model = _step_model(cap["step_model"]) if cap["step_model"] else None
+        rate = cell.params["fraction"] * cap["capacity_req_s"]
+        arrivals = arrival_times(len(requests), rate, seed=self.s.seed)
+        result = self._run(spec, requests, arrivals, step_time=step_model)
+        return {"rate_fraction": cell.params["fraction"], "request_rate": rate, "clock": cap["clock"], **result}
+
+    def _batch(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
+        s, b = self.s, cell.params["batch"]
+        return self._run(self._engine_spec(info), fixed(b, s.prompt_len, s.output_len, info["vocab_size"], s.seed), repeats=s.repeats)
+
+    def _context(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
+        c, out, limit = cell.params["context"], self.s.context_output_len, info["max_position_embeddings"]
+        if c + out > limit:
+            return {"skipped": f"beyond the model's context length ({limit})"}
+        return self._run(self._engine_spec(info), fixed(1, c, out, info["vocab_size"], self.s.seed), repeats=self.s.repeats)
+
+    def _quant(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
+        s, level = self.s, cell.params["level"]
+        gguf = str(info["path"]).endswith(".gguf")
+        dtype, quantization = {"native": ("float32", "gguf" if gguf else None), "int8": ("float32", "int8"),
+                               "int4": ("float32", "int4"), "bfloat16": ("bfloat16", None),
+                               "float32": ("float32", None)}[level]
+        spec = self._engine_spec(info, dtype=dtype, quantization=quantization)
+        requests = fixed(s.quant_requests, s.prompt_len, s.output_len, info["vocab_size"], s.seed)
+        label = f"native ({info['weights']})" if level == "native" else level
+        return {"label": label, "dtype": dtype, "quantization": quantization,
+                **self._run(spec, requests, repeats=s.repeats)}
+
+    def _memory(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
+        s = self.s
+        spec = EngineSpec(str(info["path"]), max_model_len=min(2048, info["max_position_embeddings"]),
+                          kv_tokens=s.memory_kv_tokens)
+        requests = fit_to_context(synthetic("sharegpt", s.num_requests, info["vocab_size"], s.seed),
+                                  spec.max_model_len)
+        result = self._run(spec, requests, sample_memory=True)
+        window = info.get("sliding_window")
+        return {"kv_bytes_per_token": info["kv_bytes_per_token"], "kv_tokens": s.memory_kv_tokens,
+                "sliding_window": window, **result}
+
+    def _lora(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
+        s, k, rank = self.s, cell.params["count"], cell.params["rank"]
+        spec = self._engine_spec(info, max_loras=s.max_loras, max_lora_rank=max(MIXED_RANKS)) if k \
+            else self._engine_spec(info)
+        requests = fixed(s.num_requests, s.prompt_len, s.output_len, info["vocab_size"], s.seed)
+        loras = None
+        if k:
+            ranks = MIXED_RANKS if rank == "mixed" else [int(rank)]
+            config = self.engine(spec).runner.hf_config
+            # One engine serves every (count, rank) cell: each rank population gets its own ids.
+            first_id = 1 + 100_000 * s.lora_ranks.index(rank)
+            adapters = build_adapters(info["path"], k, ranks, LORA_TARGETS, s.seed, config, first_id)
+            loras = [adapters[i % k] for i in range(len(requests))]
+        engine = self.engine(spec)
+        manager = getattr(engine, "lora_manager", None)
+        before = (getattr(manager, "num_disk_loads", 0), getattr(manager, "num_device_loads", 0))
+        result = self._run(spec, requests, lora_requests=loras)
+        return {"count": k, "rank": rank, "disk_loads": getattr(manager, "num_disk_loads", 0) - before[0],
+                "device_loads": getattr(manager, "num_device_loads", 0) - before[1], **result}
+
+
+def _step_model(saved: dict[str, Any]) -> StepCostModel:
+    """The step-time model a capacity cell saved (`StepCostModel.as_dict`), rebuilt."""
+    coefficients = saved["coefficients_s"]
+    a, b, c, d = (float(coefficients[name]) for name in FEATURES)
+    return StepCostModel((a, b, c, d), float(saved["r2"]), int(saved["num_steps"]))

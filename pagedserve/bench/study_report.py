@@ -1,0 +1,276 @@
+"""The per-model study's report: one Markdown page, one table and one PNG per part, one
+line (or bar) per model, from the cells `study.py` saved. Reads nothing but the records.
+
+A cell that failed or was skipped stays a row, with its reason, so every planned cell is
+accounted for in the page; plots draw the cells that have numbers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from pagedserve.bench.cells import Cell, format_duration
+from pagedserve.bench.common import json_clean, md_table
+from pagedserve.bench.plots import pyplot, save_figure
+
+Records = dict[Cell, dict[str, Any]]
+
+SECTIONS = {  # part -> (title, plot file or "", how to read it)
+    "info": ("Models", "", "What was loaded: the weights as served, and the KV cache's cost per token."),
+    "latency": ("Latency under Poisson arrivals", "latency.png",
+                "Requests with Alpaca-like lengths arrive as a Poisson process at fractions of the model's "
+                "capacity C (every request queued at once). p50 solid, p99 dashed; a p99 turning up is the "
+                "queue starting to grow, the model's saturation. Simulated clock advanced by a step-time "
+                "model fitted to the model's measured steps (bench/clock.py)."),
+    "batch": ("Throughput against batch size", "batch.png",
+              "B requests of the same length queued at once (B = batch size): output tokens per second."),
+    "context": ("Prefill and decode against context length", "context.png",
+                "One request of prompt length L: TTFT is the prefill of L tokens, TPOT a decode step "
+                "attending L tokens. Lengths past the model's limit are skipped."),
+    "quant": ("Throughput against weight format", "quant.png",
+              "The same requests with the model's weights as in its file (native), requantized to int8 / "
+              "int4, or dequantized to bf16 / fp32."),
+    "memory": ("KV memory: bytes per token and live share", "memory.png",
+               "A ShareGPT-like trace in a bounded paged KV pool: bytes of K/V per token, and how the pool's "
+               "memory in use splits into live token states, slots reserved for the next tokens, and "
+               "fragmentation (summed over steps; the vLLM paper's waste breakdown)."),
+    "lora": ("Multi-LoRA: adapter count and rank", "lora.png",
+             "The same requests spread over K random adapters (PEFT layout, q/k/v/o) of rank r; request i "
+             "uses adapter i % K, at most 16 resident at once (more are evicted and reloaded)."),
+    "peer": ("Peer: llama.cpp on the same cells", "", "Where the llama.cpp column would come from."),
+}
+
+
+def describe_run() -> dict[str, str]:
+    """CPU, date and commit, for the report's header."""
+    # cpp_build imports torch: imported here, so that `pagedserve --help` stays cheap.
+    from pagedserve.cpp_build import cpu_description
+
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*argv: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += " (with uncommitted changes)"
+    return {"cpu": cpu_description(), "date": datetime.date.today().isoformat(), "commit": commit}
+
+
+def write_study_report(out_dir: Path, models: list[str], records: Records, parts: tuple[str, ...],
+                       command: str, run: dict[str, str]) -> Path:
+    """report.md, a PNG per part and study.json (every record) in `out_dir`; returns report.md."""
+    total = sum(r["seconds"] for r in records.values())
+    lines = ["# pagedserve across models", "",
+             f"- CPU: {run['cpu']}", f"- Date: {run['date']}", f"- Commit: {run['commit']}",
+             f"- Command: `{command}`",
+             f"- Duration: {format_duration(total)} of measurement over {len(records)} cells "
+             "(resumed runs add up; each cell's time is in its JSON under cells/)", ""]
+    for part in parts:
+        title, figure, how = SECTIONS[part]
+        rows = [(c, r["result"]) for c, r in records.items() if c.part == part]
+        lines += [f"## {title}", "", how, "", f"Command: `{_part_command(command, part)}`", ""]
+        if figure and any(_ok(r) for _, r in rows):
+            PLOTS[part](rows, out_dir / figure)
+            lines += [f"![{part}]({figure})", ""]
+        lines += [TABLES[part](rows), ""]
+    (out_dir / "study.json").write_text(json.dumps(json_clean(
+        {"models": models, "run": run, "command": command, "cells": list(records.values())}), indent=1) + "\n")
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _part_command(command: str, part: str) -> str:
+    return f"{command} --parts {part}" if part != "info" else command
+
+
+def _ok(result: dict[str, Any]) -> bool:
+    return "error" not in result and "skipped" not in result and result.get("available", True)
+
+
+def _not_run(result: dict[str, Any]) -> str:
+    return str(result.get("error") or result.get("skipped") or "")
+
+
+# ---- tables -------------------------------------------------------------------------------
+
+
+def _table(headers: list[str], rows: list[tuple[Cell, dict]], first: Callable[[Cell, dict], list],
+           values: Callable[[dict], list]) -> str:
+    out = []
+    for cell, r in rows:
+        lead = first(cell, r)
+        width = len(headers) - len(lead)
+        out.append([*lead, *values(r)] if _ok(r) else [*lead, _not_run(r), *[""] * (width - 1)])
+    return md_table(headers, out)
+
+
+def _info_table(rows: list[tuple[Cell, dict]]) -> str:
+    return _table(["model", "weights", "architecture", "vocabulary", "context limit", "KV bytes / token",
+                   "layers x KV heads x head dim"], rows, lambda c, r: [c.model],
+                  lambda r: [r["weights"], r["architecture"], r["vocab_size"], r["max_position_embeddings"],
+                             r["kv_bytes_per_token"], f"{r['num_layers']} x {r['num_kv_heads']} x {r['head_dim']}"])
+
+
+def _latency_table(rows: list[tuple[Cell, dict]]) -> str:
+    def load(c: Cell, r: dict) -> list:
+        return [c.model, "capacity C (all queued)" if c.key == "capacity" else f"{c.params['fraction']:g} x C"]
+
+    def values(r: dict) -> list:
+        rate = r.get("request_rate", r.get("capacity_req_s"))
+        return [rate, r["ttft_ms"]["median"], r["ttft_ms"]["p99"], r["tpot_ms"]["median"], r["tpot_ms"]["p99"],
+                r["e2e_ms"]["median"] / 1000, r["e2e_ms"]["p99"] / 1000, r["output_throughput"], "not available"]
+
+    return _table(["model", "load", "rate (req/s)", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)",
+                   "TPOT p99 (ms)", "E2E p50 (s)", "E2E p99 (s)", "output tok/s", "llama.cpp"], rows, load, values)
+
+
+def _simple(headers: list[str], key: Callable[[Cell, dict], list], values: Callable[[dict], list]) -> Callable:
+    return lambda rows: _table(headers, rows, key, values)
+
+
+TABLES: dict[str, Callable[[list[tuple[Cell, dict]]], str]] = {
+    "info": _info_table,
+    "latency": _latency_table,
+    "batch": _simple(["model", "batch", "output tok/s", "TTFT p50 (ms)", "TPOT p50 (ms)", "peak KV blocks"],
+                     lambda c, r: [c.model, c.params["batch"]],
+                     lambda r: [r["output_throughput"], r["ttft_ms"]["median"], r["tpot_ms"]["median"],
+                                r["peak_blocks_used"]]),
+    "context": _simple(["model", "prompt tokens", "TTFT (ms)", "TPOT p50 (ms)", "TPOT p99 (ms)"],
+                       lambda c, r: [c.model, c.params["context"]],
+                       lambda r: [r["ttft_ms"]["median"], r["tpot_ms"]["median"], r["tpot_ms"]["p99"]]),
+    "quant": _simple(["model", "weights", "output tok/s", "TTFT p50 (ms)", "TPOT p50 (ms)"],
+                     lambda c, r: [c.model, r.get("label", c.key)],
+                     lambda r: [r["output_throughput"], r["ttft_ms"]["median"], r["tpot_ms"]["median"]]),
+    "memory": _simple(["model", "KV bytes / token", "KV MiB / 1k tokens", "token states %", "reserved %",
+                       "internal frag. %", "external frag. %", "mean batch", "sliding window"],
+                      lambda c, r: [c.model],
+                      lambda r: [r["kv_bytes_per_token"], r["kv_bytes_per_token"] * 1000 / 2**20,
+                                 *(f"{100 * r['memory']['shares'][k]:.1f}"
+                                   for k in ("token_states", "reserved", "internal", "external")),
+                                 r["mean_batched_requests"], r["sliding_window"] or "none"]),
+    "lora": _simple(["model", "adapters", "rank", "output tok/s", "TTFT p50 (ms)", "TPOT p50 (ms)",
+                     "adapter loads (disk / device)"],
+                    lambda c, r: [c.model, c.params["count"] or "base (LoRA off)", c.params["rank"]],
+                    lambda r: [r["output_throughput"], r["ttft_ms"]["median"], r["tpot_ms"]["median"],
+                               f"{r['disk_loads']} / {r['device_loads']}"]),
+    "peer": lambda rows: md_table(["model", "llama.cpp", "why"],
+                                  [[c.model, "yes" if r.get("available") else "no", r.get("reason", "")]
+                                   for c, r in rows]),
+}
+
+
+# ---- plots: one line per model -------------------------------------------------------------
+
+
+def _by_model(rows: list[tuple[Cell, dict]], x: Callable[[Cell, dict], Any],
+              y: Callable[[dict], float]) -> dict[str, tuple[list, list]]:
+    series: dict[str, tuple[list, list]] = {}
+    for cell, r in rows:
+        if _ok(r):
+            xs, ys = series.setdefault(cell.model, ([], []))
+            xs.append(x(cell, r))
+            ys.append(y(r))
+    return series
+
+
+def _line_panels(rows: list[tuple[Cell, dict]], path: Path, xlabel: str, x: Callable[[Cell, dict], Any],
+                 panels: list[tuple[str, Callable[[dict], float]]], log2x: bool = False) -> Path:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, (ylabel, y) in zip(axes[0], panels, strict=True):
+        for model, (xs, ys) in _by_model(rows, x, y).items():
+            ax.plot(xs, ys, marker="o", label=model)
+        ax.set(xlabel=xlabel, ylabel=ylabel)
+        if log2x:
+            ax.set_xscale("log", base=2)
+    axes[0][0].legend(fontsize=8)
+    return save_figure(fig, path.parent, path.name)
+
+
+def _plot_latency(rows: list[tuple[Cell, dict]], path: Path) -> Path:
+    plt = pyplot()
+    rated = [(c, r) for c, r in rows if c.key != "capacity"]
+    metrics = [("ttft_ms", "TTFT (ms)", 1.0), ("tpot_ms", "TPOT (ms)", 1.0), ("e2e_ms", "E2E latency (s)", 1e-3)]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (key, ylabel, scale) in zip(axes, metrics, strict=True):
+        for pct, style in (("median", "-"), ("p99", "--")):
+            series = _by_model(rated, lambda c, r: r["request_rate"], partial(_percentile, key=key, pct=pct, scale=scale))
+            for i, (model, (xs, ys)) in enumerate(series.items()):
+                ax.plot(xs, ys, style, marker="o", color=colors[i % len(colors)],
+                        label=f"{model} {'p50' if pct == 'median' else 'p99'}")
+        ax.set(xlabel="request rate (req/s)", ylabel=ylabel)
+    axes[0].legend(fontsize=7)
+    return save_figure(fig, path.parent, path.name)
+
+
+def _percentile(r: dict, key: str, pct: str, scale: float) -> float:
+    return scale * float(r[key][pct])
+
+
+def _plot_bars(rows: list[tuple[Cell, dict]], path: Path, panels: list[tuple[str, Callable[[dict], float]]]) -> Path:
+    plt = pyplot()
+    ok = [(c, r) for c, r in rows if _ok(r)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (ylabel, y) in zip(axes[0], panels, strict=True):
+        ax.bar([c.model for c, _ in ok], [y(r) for _, r in ok], color="#4c72b0")
+        ax.set(ylabel=ylabel)
+        plt.setp(ax.get_xticklabels(), rotation=15, ha="right", fontsize=8)
+    return save_figure(fig, path.parent, path.name)
+
+
+def _plot_lora(rows: list[tuple[Cell, dict]], path: Path) -> Path:
+    """Against adapter count: a colour per model, a line style per rank, the base model dotted."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    models = list(dict.fromkeys(c.model for c, _ in rows))
+    ranks = list(dict.fromkeys(str(c.params["rank"]) for c, _ in rows if c.params["count"]))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "--", "-.", ":"]
+    panels: list[tuple[str, Callable[[dict], float]]] = [
+        ("output tok/s", lambda r: r["output_throughput"]), ("TPOT p50 (ms)", lambda r: r["tpot_ms"]["median"])]
+    for ax, (ylabel, value) in zip(axes, panels, strict=True):
+        for m, model in enumerate(models):
+            color = colors[m % len(colors)]
+            for i, rank in enumerate(ranks):
+                sub = [(c, r) for c, r in rows if c.model == model and str(c.params["rank"]) == rank]
+                for xs, ys in _by_model(sub, lambda c, r: c.params["count"], value).values():
+                    ax.plot(xs, ys, styles[i % len(styles)], marker="o", color=color, label=f"{model}, rank {rank}")
+            base = [value(r) for c, r in rows if c.model == model and not c.params["count"] and _ok(r)]
+            if base:
+                ax.axhline(base[0], color=color, linestyle=":", linewidth=1, label=f"{model}, base")
+        ax.set(xlabel="distinct adapters", ylabel=ylabel, xscale="log")
+    axes[0].legend(fontsize=7)
+    return save_figure(fig, path.parent, path.name)
+
+
+PLOTS: dict[str, Callable[[list[tuple[Cell, dict]], Path], Path]] = {
+    "latency": _plot_latency,
+    "batch": lambda rows, path: _line_panels(
+        rows, path, "batch size", lambda c, r: c.params["batch"],
+        [("output tok/s", lambda r: r["output_throughput"]), ("TPOT p50 (ms)", lambda r: r["tpot_ms"]["median"])],
+        log2x=True),
+    "context": lambda rows, path: _line_panels(
+        rows, path, "prompt tokens", lambda c, r: c.params["context"],
+        [("TTFT (ms)", lambda r: r["ttft_ms"]["median"]), ("TPOT p50 (ms)", lambda r: r["tpot_ms"]["median"])],
+        log2x=True),
+    "quant": lambda rows, path: _line_panels(
+        rows, path, "weights", lambda c, r: c.key,
+        [("output tok/s", lambda r: r["output_throughput"]), ("TPOT p50 (ms)", lambda r: r["tpot_ms"]["median"])]),
+    "memory": lambda rows, path: _plot_bars(
+        rows, path, [("KV bytes per token", lambda r: r["kv_bytes_per_token"]),
+                     ("live token states (% of KV in use)", lambda r: 100 * r["memory"]["shares"]["token_states"])]),
+    "lora": _plot_lora,
+}
