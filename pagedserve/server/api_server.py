@@ -63,12 +63,19 @@ from pagedserve.server.protocol import (
     TokenizeResponse,
     now_s,
 )
+from pagedserve.server.protocol_messages import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+)
 from pagedserve.server.protocol_responses import ResponsesRequest
 from pagedserve.server.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from pagedserve.server.serving_chat import create_chat_completion, render_chat
 from pagedserve.server.serving_common import ServerContext
 from pagedserve.server.serving_completion import create_completion
 from pagedserve.server.serving_embedding import create_embedding
+from pagedserve.server.serving_messages import AnthropicRoute, count_tokens, create_message
 from pagedserve.server.serving_responses import create_response, retrieve
 
 logger = logging.getLogger(__name__)
@@ -159,6 +166,22 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
 @v1.get("/responses/{response_id}", responses=_errors(401, 404))
 async def get_response(response_id: str, request: Request) -> JSONResponse:
     return JSONResponse(retrieve(request.app.state.response_store, response_id))
+
+
+# Anthropic's Messages API: its errors in Anthropic's shape (AnthropicRoute).
+anthropic = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)], route_class=AnthropicRoute)
+ANTHROPIC_ERRORS = {status: {**spec, "model": AnthropicErrorResponse} for status, spec in GENERATE_ERRORS.items()}
+
+
+@anthropic.post("/messages", responses={**_streamed(dict, dict), **ANTHROPIC_ERRORS})
+async def messages(body: MessagesRequest, request: Request) -> Response:
+    """Anthropic's Messages API (serving_messages.py), served by the chat pipeline."""
+    return await create_message(checked_ctx(request, body), body, request)
+
+
+@anthropic.post("/messages/count_tokens", responses={200: {"model": CountTokensResponse}, **ANTHROPIC_ERRORS})
+async def messages_count_tokens(body: CountTokensRequest, request: Request) -> JSONResponse:
+    return await count_tokens(checked_ctx(request, body), body)
 
 
 @v1.get("/models", responses=_errors(401))
@@ -387,6 +410,7 @@ def build_app(ctx: ServerContext, options: HTTPOptions | None = None) -> FastAPI
     app.add_middleware(BodyLimit, max_bytes=body_limit)  # added last: the outermost
     install_error_handlers(app)
     app.include_router(v1)
+    app.include_router(anthropic)
     app.include_router(keyed)
     app.include_router(root)
     install_playground(app, check_api_key)

@@ -32,6 +32,8 @@ KEYED = [
     ("POST", "/v1/unload_lora_adapter", {"lora_name": "x"}),
     ("GET", "/v1/stats", None),
     ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2}), ("GET", "/v1/responses/resp_x", None),
+    ("POST", "/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
     ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [5]}),
     ("GET", "/load", None), ("GET", "/metrics", None),
 ]
@@ -72,7 +74,10 @@ def test_keyed_route_needs_the_key(server: LiveServer, method: str, path: str, b
         assert resp.status_code != 401 and resp.status_code < 500, resp.text
     else:
         assert resp.status_code == 401, resp.text
-        assert resp.json()["error"]["code"] == "invalid_api_key"
+        if path.startswith("/v1/messages"):  # Anthropic's error shape on its routes
+            assert resp.json()["error"]["type"] == "authentication_error"
+        else:
+            assert resp.json()["error"]["code"] == "invalid_api_key"
 
 
 @pytest.mark.parametrize("auth", list(AUTH))
