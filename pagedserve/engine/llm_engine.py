@@ -11,36 +11,27 @@ from typing import Any
 
 import torch
 
-from pagedserve import envs
 from pagedserve.beam_search import BeamSearchParams
 from pagedserve.config import EngineConfig
 from pagedserve.core.factory import build_kv_manager, build_scheduler
-from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.sched_output import SchedulerOutput
-from pagedserve.core.scheduler import PreemptionPolicy, SchedulerStats
-from pagedserve.distributed.tp_workers import TPWorkers, WorkerSpec, worker_threads
+from pagedserve.core.scheduler import SchedulerStats
 from pagedserve.dtypes import lora_dtype
-from pagedserve.engine import registry
+from pagedserve.engine import builder, registry
 from pagedserve.engine.beam_search import BeamSearchDriver
 from pagedserve.engine.faults import FaultInjector
 from pagedserve.engine.input_processor import EngineInput, InputProcessor, PromptInput
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.parallel_sampling import SampleGroup, sample_request_id
-from pagedserve.engine.step_timings import StepHook, StepTimings, attention_work
+from pagedserve.engine.step_timings import StepCounters, StepHook, StepTimer
 from pagedserve.engine.tokenizer import load_tokenizer
-from pagedserve.lora.manager import LoRAManager
-from pagedserve.lora.peft_loader import module_dims_for
 from pagedserve.lora.request import LoRARequest
-from pagedserve.models.loader import check_shardable
 from pagedserve.models.source import eos_token_ids, resolve_model_source
 from pagedserve.outputs import RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.spec_decode.draft_model import DraftModelProposer
-from pagedserve.spec_decode.speculator import Speculator
 from pagedserve.structured_outputs import RequestGrammar, StructuredOutputManager
-from pagedserve.worker.kv_cache import default_kv_cache_bytes, kv_cache_bytes_for_utilization
 from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -97,7 +88,7 @@ class LLMEngine:
         self.tokenizer = None if self.source.tokenizer is None else load_tokenizer(self.source.tokenizer)
         model_dtype = self.source.dtype
         # Ranks 1..N-1 of a tensor-parallel model (None with one rank); stopped by `shutdown`.
-        self.tp_workers = self._start_tp_workers(model_dtype)
+        self.tp_workers = builder.start_tp_workers(config, self.source, self.device, model_dtype)
         try:
             self.runner = ModelRunner(
                 self.source.path, model_dtype, self.device, config.cache.block_size,
@@ -122,25 +113,24 @@ class LLMEngine:
         # extra stop token ids (vLLM's treatment of generation_config's EOS list).
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, self.source.generation_eos_ids)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
-        self.max_model_len = _resolve_max_model_len(hf_config, model_cfg.max_model_len)
-        self.draft_runner = self._load_draft(model_dtype)
-        self.num_blocks = self._size_kv_cache()
-        self.runner.initialize_kv_cache(self.num_blocks)
-        spec = self.runner.kv_cache_spec()
-        self.num_swap_blocks = config.cache.swap_space_bytes // spec.bytes_per_block
-        self.runner.initialize_swap_space(self.num_swap_blocks)
-        self.kv_manager = build_kv_manager(config.cache, self.num_blocks, self.max_model_len, self.num_swap_blocks)
+        self.max_model_len = builder.resolve_max_model_len(hf_config, model_cfg.max_model_len)
         sched = config.scheduler
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when chunked prefill is disabled"
             )
+        draft = builder.load_draft(config, self.device, model_dtype, self.vocab_size, self.max_model_len)
+        self.num_blocks = builder.size_kv_cache(config, self.runner, draft, self.device, self.max_model_len)
+        self.runner.initialize_kv_cache(self.num_blocks)
+        self.num_swap_blocks = config.cache.swap_space_bytes // self.runner.kv_cache_spec().bytes_per_block
+        self.runner.initialize_swap_space(self.num_swap_blocks)
+        self.kv_manager = build_kv_manager(config.cache, self.num_blocks, self.max_model_len, self.num_swap_blocks)
         # Built before the scheduler, which gets it (as its AdapterResidency) at construction.
-        self.lora_manager = self._start_lora() if config.lora is not None else None
-        self.scheduler = build_scheduler(sched, self.kv_manager, self._preemption_policy(), self.lora_manager,
-                                         clock=clock)
-        self.speculator = self._start_speculator()
+        self.lora_manager = builder.start_lora(config, self.kv_manager, self.runner, self.tp_workers is not None)
+        self.scheduler = build_scheduler(sched, self.kv_manager, builder.preemption_policy(config, self.runner, self.device),
+                                         self.lora_manager, clock=clock)
+        self.speculator = builder.start_speculator(config, draft, self.num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
@@ -154,33 +144,9 @@ class LLMEngine:
         self._groups: dict[str, SampleGroup] = {}
         self.beam_search = BeamSearchDriver(self.scheduler, self.tokenizer)
         self._next_request_id = 0
-        self._prompt_tokens_total = 0
-        self._generation_tokens_total = 0
-        self._steps_total = 0
-        self._last_step_tokens = 0
+        self.counters = StepCounters()
         registry.register(self)
         self._step_hooks: list[StepHook] = []
-
-    def _start_tp_workers(self, dtype: torch.dtype) -> TPWorkers | None:
-        """Spawns ranks 1..N-1 (tensor_parallel_size N > 1); each loads its own shard."""
-        size = self.config.parallel.tensor_parallel_size
-        if size == 1:
-            return None
-        # Refused before any process starts: heads, MLP and quantization groups must split.
-        check_shardable(self.source.path, size, self.config.model.quant_config())
-        if self.device.type == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(
-                f"tensor_parallel_size={size} needs {size} CUDA devices, found {torch.cuda.device_count()}")
-        timeout_s = envs.tp_timeout_s()
-        spec = WorkerSpec(
-            model_path=str(self.source.path), dtype=dtype, device_type=self.device.type,
-            block_size=self.config.cache.block_size, quantization=self.config.model.quant_config(),
-            kv_cache_dtype=self.config.cache.kv_cache_dtype,
-            lora_dtype=lora_dtype(self.config.lora, dtype) if self.config.lora else None, tp_size=size, store_port=0,
-            timeout_s=timeout_s, num_threads=worker_threads(size),
-        )
-        logger.info("tensor parallelism: starting %d worker processes", size - 1)
-        return TPWorkers(spec, self.device, timeout_s)
 
     def health_problem(self) -> str | None:
         """Why this engine cannot serve even while idle (a tensor-parallel worker exited),
@@ -192,100 +158,6 @@ class LLMEngine:
         rank). The engine cannot step afterwards."""
         if self.tp_workers is not None:
             self.tp_workers.shutdown()
-
-    def _default_kv_cache_bytes(self) -> int:
-        utilization = self.config.cache.memory_utilization
-        if utilization is None:
-            return default_kv_cache_bytes(self.device)
-        model = self.runner.model
-        tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}  # tied once
-        weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return kv_cache_bytes_for_utilization(self.device, utilization, weight_bytes)
-
-    def _load_draft(self, dtype: torch.dtype) -> ModelRunner | None:
-        """The draft model's runner (speculative decoding with method 'draft_model'), checked
-        against the target: same vocabulary, long enough context."""
-        spec_cfg = self.config.speculative
-        if spec_cfg is None or spec_cfg.model is None:
-            return None
-        draft = ModelRunner(spec_cfg.model, dtype, self.device, self.config.cache.block_size,
-                            kv_cache_dtype=self.config.cache.kv_cache_dtype)
-        if draft.vocab_size != self.vocab_size:
-            raise ValueError(
-                f"speculative_config.model: the draft model's vocab_size ({draft.vocab_size}) differs from "
-                f"the target's ({self.vocab_size}); a draft must share the target's tokenizer"
-            )
-        draft_len = getattr(draft.hf_config, "max_position_embeddings", None)
-        if draft_len is not None and draft_len < self.max_model_len:
-            raise ValueError(
-                f"speculative_config.model: the draft model's max_position_embeddings ({draft_len}) is below "
-                f"max_model_len ({self.max_model_len}); lower max_model_len"
-            )
-        return draft
-
-    def _start_speculator(self) -> Speculator | None:
-        spec_cfg = self.config.speculative
-        if spec_cfg is None:
-            return None
-        draft = None
-        if self.draft_runner is not None:
-            draft = DraftModelProposer(self.draft_runner, self.num_blocks, self.config.cache.block_size)
-        return Speculator(spec_cfg, draft)
-
-    def _size_kv_cache(self) -> int:
-        spec = self.runner.kv_cache_spec()
-        cache = self.config.cache
-        # A draft model's K/V comes from the same budget: every block of the target's pool
-        # has a twin in the draft's pool, so both hold the same number of tokens.
-        bytes_per_block = spec.bytes_per_block
-        if self.draft_runner is not None:
-            bytes_per_block += self.draft_runner.kv_cache_spec().bytes_per_block
-        if cache.num_gpu_blocks_override is not None:
-            num_blocks = cache.num_gpu_blocks_override
-            memory = num_blocks * bytes_per_block
-        else:
-            memory = cache.kv_cache_memory_bytes or self._default_kv_cache_bytes()
-            num_blocks = memory // bytes_per_block
-        capacity = num_blocks * spec.block_size
-        if capacity < self.max_model_len:
-            raise ValueError(
-                f"The KV cache ({memory} bytes = {num_blocks} blocks = {capacity} tokens) cannot hold one "
-                f"sequence of max_model_len={self.max_model_len} tokens; raise kv_cache_memory_bytes "
-                f"or lower max_model_len."
-            )
-        logger.info(
-            "KV cache: %d blocks = %d tokens (%.1f MiB), max concurrency %.2fx at max_model_len=%d",
-            num_blocks, capacity, num_blocks * spec.bytes_per_block / 2**20,
-            capacity / self.max_model_len, self.max_model_len,
-        )
-        return num_blocks
-
-    def _start_lora(self) -> LoRAManager:
-        """The adapters' manager, placing them in the KV block pool; the scheduler asks it
-        what is resident and hands placements to the runner in each `SchedulerOutput`."""
-        assert self.config.lora is not None
-        assert isinstance(self.kv_manager, KVCacheManager), "EngineConfig checks: LoRA needs the paged pool"
-        return LoRAManager(
-            self.config.lora,
-            self.kv_manager.pool,
-            module_dims_for(self.runner.hf_config),
-            len(self.runner.attn_layers),
-            self.runner.lora_block_elems(),
-            self.runner.write_adapter,
-            shard=self.runner.lora_shard if self.tp_workers is not None else None,
-        )
-
-    def _preemption_policy(self) -> PreemptionPolicy:
-        # Rough, device-independent estimates; they only need the right order of magnitude:
-        # recomputing a token costs ~2 FLOPs per parameter, swapping a block costs copying its
-        # bytes out and back.
-        num_params = sum(p.numel() for p in self.runner.model.parameters())
-        flops_per_s, bytes_per_s = (50e12, 20e9) if self.device.type == "cuda" else (50e9, 5e9)
-        return PreemptionPolicy(
-            mode=self.config.scheduler.preemption_mode,
-            recompute_s_per_token=2 * num_params / flops_per_s,
-            swap_s_per_block=2 * self.runner.kv_cache_spec().bytes_per_block / bytes_per_s,
-        )
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -423,23 +295,44 @@ class LLMEngine:
         self._step_hooks.remove(hook)
 
     def step(self) -> list[RequestOutput]:
-        """One iteration. A request whose own preparation or detokenization raises ends
-        alone with finish_reason "error" (its blocks freed this step); only a failure of the
-        step as a whole (the model forward) propagates."""
-        t_start = time.perf_counter()
+        """One iteration: schedule -> run the model -> update the requests -> their outputs.
+
+        A request whose own preparation or detokenization raises ends alone with finish_reason
+        "error" (its blocks freed this step); only a failure of the step as a whole (the model
+        forward) propagates."""
+        timer = StepTimer(self._step_hooks)
         sched_out = self.last_scheduler_output = self.scheduler.schedule()
-        t_scheduled = time.perf_counter()
+        self._stamp_first_scheduled(sched_out)
+        timer.mark_scheduled()
+        runner_out = self.runner.execute_model(sched_out)
+        failed = self._fail_in_runner(sched_out, runner_out.failed)
+        timer.mark_ran()
+        updated, first_new = self._update_from_output(sched_out, runner_out)
+        failed += self.scheduler.take_failed()
+        timer.mark_updated()
+        outputs = self._make_outputs(updated, first_new, _logprobs_by_request(sched_out, runner_out), failed)
+        outputs += self._report_failed(failed)
+        if self.speculator is not None:
+            # After stop strings ended their requests: propose for who runs next step.
+            self.speculator.release(self.scheduler.requests)
+            self.speculator.propose(self.scheduler.running)
+        timer.finish(sched_out, runner_out)
+        return outputs
+
+    def _stamp_first_scheduled(self, sched_out: SchedulerOutput) -> None:
         now = self.clock()
         for item in sched_out.scheduled:
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = now
-        runner_out = self.runner.execute_model(sched_out)
-        failed = self._fail_in_runner(sched_out, runner_out.failed)
-        t_ran = time.perf_counter()
+
+    def _update_from_output(self, sched_out: SchedulerOutput, runner_out: Any) -> tuple[list[Request], dict[str, int]]:
+        """The scheduler, speculator and beam search take the step's tokens; pooled vectors and
+        prompt logprobs go to the output processor. Returns the updated requests and, per
+        request, the index of its first new output token."""
         sampled = runner_out.sampled_token_ids
         if self.beam_search.has_work():
             self.beam_search.take_reports(sched_out, sampled, runner_out.logprobs)
-        num_outputs_before = {item.request.request_id: item.request.num_output_tokens for item in sched_out.scheduled}
+        first_new = {item.request.request_id: item.request.num_output_tokens for item in sched_out.scheduled}
         updated = self.scheduler.update_from_output(
             sched_out, sampled, runner_out.fork_token_ids, runner_out.extra_token_ids or None
         )
@@ -447,23 +340,25 @@ class LLMEngine:
             self.speculator.observe(sched_out, runner_out.extra_token_ids)
         if self.beam_search.has_work():
             self.beam_search.apply_decisions()
-        failed += self.scheduler.take_failed()
-        self._record_step(sched_out)
-        logprobs_by_id = _logprobs_by_request(sched_out, runner_out)
+        self.counters.record_step(sched_out)
         for item, vector in zip(sched_out.scheduled, runner_out.pooled, strict=False):
             if vector is not None:
                 self.output_processor.set_pooled(item.request, vector)
         for item, prompt_lp in zip(sched_out.scheduled, runner_out.prompt_logprobs, strict=False):
             if prompt_lp is not None:
                 self.output_processor.add_prompt_logprobs(item.request, prompt_lp)
-        t_updated = time.perf_counter()
+        return updated, first_new
+
+    def _make_outputs(self, updated: list[Request], first_new: dict[str, int], logprobs_by_id: dict[str, list[Any]],
+                      failed: list[Request]) -> list[RequestOutput]:
+        """The updated requests' outputs; one whose processing raises is appended to `failed`."""
         now = self.clock()
         outputs = []
         for request in updated:
-            first_new = num_outputs_before.get(request.request_id, 0)
-            self._generation_tokens_total += request.num_output_tokens - first_new
+            first = first_new.get(request.request_id, 0)
+            self.counters.generation_tokens += request.num_output_tokens - first
             try:
-                output = self._process_token(request, first_new, logprobs_by_id.get(request.request_id, []), now)
+                output = self._process_token(request, first, logprobs_by_id.get(request.request_id, []), now)
             except Exception as exc:  # noqa: BLE001 - this request's own failure, not the batch's
                 logger.warning("request %s failed while processing its output: %r", request.request_id, exc)
                 self._end_with_error(request, f"{type(exc).__name__}: {exc}")
@@ -471,36 +366,21 @@ class LLMEngine:
                 continue
             if output is not None:  # None: an unfinished final_only request or group sample
                 outputs.append(output)
+        return outputs
+
+    def _report_failed(self, failed: list[Request]) -> list[RequestOutput]:
+        """Requests that failed in the runner, the scheduler (their adapter did not load) or the
+        output processor: reported as finished with "error", nothing else touched."""
+        now = self.clock()
+        outputs = []
         for request in failed:
-            # Failed in the runner, the scheduler (its adapter did not load) or the output
-            # processor: reported as finished with "error", nothing else touched.
             if not self.output_processor.has(request.request_id):
                 continue  # already reported as finished
             output = self.output_processor.make_output(request, True)
             self.output_processor.finish(request.request_id, now)
-            if request.group_id is not None:
-                output = self._group_output(request, output)
-            if output is not None:  # None: its group has not finished
-                outputs.append(output)
-        if self.speculator is not None:
-            # After stop strings ended their requests: propose for who runs next step.
-            self.speculator.release(self.scheduler.requests)
-            self.speculator.propose(self.scheduler.running)
-        if self._step_hooks and sched_out.scheduled:
-            end = time.perf_counter()
-            context, keys = attention_work(
-                [(item.num_computed_tokens, item.num_new_tokens) for item in sched_out.scheduled]
-            )
-            timings = StepTimings(
-                num_seqs=len(sched_out.scheduled), num_tokens=sched_out.num_batched_tokens,
-                context_tokens=context, attended_keys=keys,
-                logits_rows=sum(item.num_logits_rows for item in sched_out.scheduled if item.sample),
-                schedule_s=t_scheduled - t_start, prepare_s=runner_out.prepare_s,
-                forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
-                update_s=t_updated - t_ran, output_s=end - t_updated, total_s=end - t_start,
-            )
-            for hook in self._step_hooks:
-                hook(timings)
+            reported = self._group_output(request, output) if request.group_id is not None else output
+            if reported is not None:  # None: its group has not finished
+                outputs.append(reported)
         return outputs
 
     def _process_token(
@@ -575,16 +455,6 @@ class LLMEngine:
             del self._groups[group.group_id]
         return merged
 
-    def _record_step(self, sched_out) -> None:
-        self._steps_total += 1
-        self._last_step_tokens = sched_out.num_batched_tokens
-        # A prompt counts once, when its request gets its first token (not again after a
-        # recompute preemption), as vLLM's prompt_tokens_total does.
-        for item in sched_out.scheduled:
-            request = item.request
-            if item.sample and request.num_output_tokens == 1:
-                self._prompt_tokens_total += request.num_prompt_tokens
-
     def set_tokenizer(self, tokenizer: Any) -> None:
         """Uses `tokenizer` for new requests' prompts and outputs (vLLM's LLM.set_tokenizer)."""
         self.tokenizer = tokenizer
@@ -602,10 +472,10 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         return EngineStats(
             scheduler=self.scheduler.stats(),
-            num_prompt_tokens_total=self._prompt_tokens_total,
-            num_generation_tokens_total=self._generation_tokens_total,
-            num_steps_total=self._steps_total,
-            last_step_num_tokens=self._last_step_tokens,
+            num_prompt_tokens_total=self.counters.prompt_tokens,
+            num_generation_tokens_total=self.counters.generation_tokens,
+            num_steps_total=self.counters.steps,
+            last_step_num_tokens=self.counters.last_step_tokens,
             last_step_spec_draft_tokens=self.speculator.last_num_draft_tokens if self.speculator else 0,
             last_step_spec_accepted_tokens=self.speculator.last_num_accepted_tokens if self.speculator else 0,
         )
@@ -654,14 +524,3 @@ def _logprobs_by_request(sched_out, runner_out) -> dict[str, list[Any]]:
         for sibling, lp in zip(item.fork_requests, runner_out.fork_logprobs[index], strict=False):
             found[sibling.request_id] = [lp]
     return found
-
-
-def _resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
-    if limit is None:
-        raise ValueError("config.json has no max_position_embeddings; pass max_model_len")
-    if requested is None:
-        return int(limit)
-    if requested > limit:
-        raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({limit})")
-    return requested
