@@ -110,6 +110,14 @@ class TextConfig(StrictRequest):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(StrictRequest):
+    # Reaches the chat template as reasoning_effort (templates of reasoning models read it).
+    effort: str | None = None
+    # Summaries are not generated: the reasoning item carries the reasoning text itself.
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
 class ResponsesRequest(StrictRequest):
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(min_length=1)]
@@ -125,5 +133,12 @@ class ResponsesRequest(StrictRequest):
     # Kept in the server's bounded in-memory store (response_store.py) for previous_response_id.
     store: bool = True
     stream: bool = False
+    reasoning: ReasoningConfig | None = None
+    # Not implemented (a 400 when true): the client would poll for a response never queued.
+    background: bool = False
+    # "auto" would drop old items to fit; here an input too long is a 400 either way.
+    truncation: Literal["auto", "disabled"] = "disabled"
+    # What to add to the output (e.g. reasoning.encrypted_content): nothing extra is produced.
+    include: list[str] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None

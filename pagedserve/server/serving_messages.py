@@ -7,7 +7,9 @@
 
 stop_reason: "length" -> max_tokens; a tool call -> tool_use; a stop string of
 stop_sequences -> stop_sequence (named in stop_sequence); else end_turn. Streamed, text is
-one content block (text_delta), each tool call one tool_use block (input_json_delta).
+one content block (text_delta), each tool call one tool_use block (input_json_delta);
+--reasoning-parser's reasoning is a thinking block (thinking_delta; its signature empty:
+the server signs nothing, and replayed thinking blocks are not shown to the template).
 
 Every error on these routes, the key's 401 and pydantic's 400 included, has Anthropic's
 shape {"type": "error", "error": {"type": ..., "message": ...}} (AnthropicRoute); the
@@ -149,7 +151,12 @@ async def create_message(ctx: ServerContext, body: MessagesRequest, raw_request:
     assert answer.completion is not None
     choice = answer.completion["choices"][0]
     message = choice["message"]
-    content: list[dict[str, Any]] = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+    content: list[dict[str, Any]] = []
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if message.get("content"):
+        content.append({"type": "text", "text": message["content"]})
     content += [{"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                  "input": _arguments(call["function"]["arguments"])} for call in message.get("tool_calls") or []]
     stop_reason, stop_sequence = _stop(body, choice["finish_reason"], choice.get("stop_reason"),
@@ -190,12 +197,18 @@ class _Blocks:
 
     def __init__(self) -> None:
         self.count = 0
-        self._open: tuple[str, int] | None = None  # ("text", -1) or ("tool", chat tool-call index)
+        # ("thinking", -1), ("text", -1) or ("tool", chat tool-call index)
+        self._open: tuple[str, int] | None = None
         self.called = False
 
     def text(self, delta: str) -> list[str]:
         out = self._start(("text", -1), {"type": "text", "text": ""})
         return [*out, _event("content_block_delta", index=self.count - 1, delta={"type": "text_delta", "text": delta})]
+
+    def thinking(self, delta: str) -> list[str]:
+        out = self._start(("thinking", -1), {"type": "thinking", "thinking": "", "signature": ""})
+        return [*out, _event("content_block_delta", index=self.count - 1,
+                             delta={"type": "thinking_delta", "thinking": delta})]
 
     def call(self, delta: dict[str, Any]) -> list[str]:
         function = delta.get("function") or {}
@@ -239,6 +252,10 @@ async def _stream(
         usage = chunk.get("usage") or usage
         for choice in chunk["choices"]:
             delta = choice["delta"]
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning:
+                for line in blocks.thinking(reasoning):
+                    yield line
             if delta.get("content"):
                 for line in blocks.text(delta["content"]):
                     yield line

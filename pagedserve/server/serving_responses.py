@@ -4,8 +4,9 @@
                 (instructions, stored history, items)            │
     response object / response.* events  <───────────────────────┘
 
-One response = one chat choice: its content is one `message` output item, each tool call
-one `function_call` item (call_id = the chat tool call's id). Streamed, every item goes
+One response = one chat choice: its reasoning (--reasoning-parser) one `reasoning` item
+(the text in its content; no summary is generated), its content one `message` item, each
+tool call one `function_call` item (call_id = the chat tool call's id). Streamed, every item goes
 output_item.added -> (content_part.added -> output_text.delta* -> output_text.done ->
 content_part.done | function_call_arguments.delta -> .done) -> output_item.done, between
 response.created / response.in_progress and response.completed. A response that hit
@@ -37,7 +38,7 @@ from pagedserve.server.serving_common import ServerContext
 
 # chat field -> this API's field, for the errors the chat pipeline raises.
 RENAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-           "response_format": "text"}
+           "response_format": "text", "reasoning_effort": "reasoning"}
 
 
 def _id(prefix: str) -> str:
@@ -59,6 +60,9 @@ async def create_response(
     choice = answer.completion["choices"][0]
     message = choice["message"]
     output = []
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning:
+        output.append(_reasoning_item(_id("rs"), reasoning))
     if message.get("content"):
         output.append(_message_item(_id("msg"), message["content"], "completed"))
     output += [_call_item(_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"], "completed")
@@ -107,8 +111,11 @@ def _chat_fields(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict
                               "parallel_tool_calls": body.parallel_tool_calls}
     if body.stream:
         fields["stream_options"] = {"include_usage": True}
+    if body.background:
+        raise APIError(400, "background: background responses are not implemented by this server", "background")
+    effort = body.reasoning.effort if body.reasoning is not None else None
     for name, value in (("max_tokens", body.max_output_tokens), ("temperature", body.temperature),
-                        ("top_p", body.top_p)):
+                        ("top_p", body.top_p), ("reasoning_effort", effort)):
         if value is not None:
             fields[name] = value
     if body.tools:
@@ -132,6 +139,13 @@ def _chat_fields(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     content = [_text_part(text)] if status == "completed" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _reasoning_item(item_id: str, text: str | None) -> dict[str, Any]:
+    """--reasoning-parser's reasoning as OpenAI's reasoning item (the text in `content`)."""
+    content = [{"type": "reasoning_text", "text": text}] if text is not None else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
+            "status": "completed" if text is not None else "in_progress"}
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -173,7 +187,7 @@ def _response(
         "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
         "store": body.store, "metadata": body.metadata or {}, "user": body.user, "background": False,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"}},
-        "truncation": "disabled", "reasoning": None,
+        "truncation": body.truncation, "reasoning": body.reasoning.model_dump() if body.reasoning is not None else None,
     }
 
 
@@ -198,7 +212,8 @@ class _Events:
     def __init__(self) -> None:
         self.sequence = 0
         self.items: list[dict[str, Any]] = []
-        self._open: tuple[str, int] | None = None  # ("message", -1) or ("call", chat tool-call index)
+        # ("reasoning", -1), ("message", -1) or ("call", chat tool-call index)
+        self._open: tuple[str, int] | None = None
         self._text: list[str] = []
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -213,6 +228,14 @@ class _Events:
         self._text.append(delta)
         return [*out, self.event("response.output_text.delta", item_id=item["id"], output_index=len(self.items) - 1,
                                  content_index=0, delta=delta, logprobs=[])]
+
+    def reasoning(self, delta: str) -> list[str]:
+        out = [] if self._open == ("reasoning", -1) else self._start(("reasoning", -1), _reasoning_item(
+            _id("rs"), None))
+        item = self.items[-1]
+        self._text.append(delta)
+        return [*out, self.event("response.reasoning_text.delta", item_id=item["id"],
+                                 output_index=len(self.items) - 1, content_index=0, delta=delta)]
 
     def call(self, delta: dict[str, Any]) -> list[str]:
         out = []
@@ -254,6 +277,12 @@ class _Events:
                                   content_index=0, text=text, logprobs=[]))
             out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                   content_index=0, part=item["content"][0]))
+        elif item["type"] == "reasoning":
+            text = "".join(self._text)
+            self._text = []
+            item["content"] = [{"type": "reasoning_text", "text": text}]
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=text))
         else:
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   name=item["name"], arguments=item["arguments"]))
@@ -284,6 +313,10 @@ async def _stream(
         usage = chunk.get("usage") or usage
         for choice in chunk["choices"]:
             delta = choice["delta"]
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning:
+                for line in events.reasoning(reasoning):
+                    yield line
             if delta.get("content"):
                 for line in events.text(delta["content"]):
                     yield line

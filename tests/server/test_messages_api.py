@@ -213,3 +213,22 @@ def test_x_api_key_with_api_key() -> None:
         resp = httpx.post(live.v1 + "/messages", json={"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
         assert resp.status_code == 401 and json.loads(resp.text)["type"] == "error"
         _no_leak(live)
+
+
+def test_thinking_block(server: LiveServer, client: anthropic.Anthropic) -> None:
+    """--reasoning-parser deepseek_r1: an output with no </think> is all reasoning, so the
+    random model's greedy text (the plain server's) is the thinking block's text."""
+    kwargs: dict[str, Any] = {"model": TEST_MODEL, "max_tokens": 6, "messages": [{"role": "user", "content": "Think"}],
+                              **_sampling(temperature=0.0)}
+    plain = client.messages.create(**kwargs).content[0].text
+    with running_server([TEST_MODEL, *SERVE_ARGS, "--reasoning-parser", "deepseek_r1"]) as live:
+        thinking = anthropic.Anthropic(base_url=live.base_url, api_key="EMPTY", max_retries=0)
+        whole = thinking.messages.create(**kwargs)
+        with thinking.messages.stream(**kwargs) as stream:
+            deltas = [event.delta.type for event in stream if event.type == "content_block_delta"]
+            final = stream.get_final_message()
+        for msg in (whole, final):
+            assert [block.type for block in msg.content] == ["thinking"]
+            assert msg.content[0].thinking == plain and msg.stop_reason == "max_tokens"
+        assert set(deltas) == {"thinking_delta"}
+        _no_leak(live)

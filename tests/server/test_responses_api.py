@@ -199,3 +199,24 @@ def test_bad_input_is_400_naming_the_field(server: LiveServer, patch: dict, para
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param, resp.text
     _no_leak(server)
+
+
+def test_reasoning_item(server: LiveServer, client: openai.OpenAI) -> None:
+    """--reasoning-parser deepseek_r1: an output with no </think> is all reasoning, so the
+    random model's greedy text (the plain server's content) is the reasoning item's text."""
+    plain = client.responses.create(model=TEST_MODEL, input="Think", max_output_tokens=6, temperature=0.0,
+                                    store=False).output_text
+    with running_server([TEST_MODEL, *SERVE_ARGS, "--reasoning-parser", "deepseek_r1"]) as live:
+        thinking = openai.OpenAI(base_url=live.v1, api_key="EMPTY", max_retries=0)
+        kwargs: dict[str, Any] = {"model": TEST_MODEL, "input": "Think", "max_output_tokens": 6,
+                                  "temperature": 0.0, "reasoning": {"effort": "low"}}
+        whole = thinking.responses.create(**kwargs)
+        with thinking.responses.stream(**kwargs) as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_response()
+        for resp in (whole, final):
+            assert [item.type for item in resp.output] == ["reasoning"]
+            assert resp.output[0].content[0].text == plain
+            assert resp.usage.output_tokens_details.reasoning_tokens == 6
+        assert "response.reasoning_text.delta" in kinds and "response.reasoning_text.done" in kinds
+        _no_leak(live)
