@@ -170,9 +170,8 @@ class LlamaCpp:
 
 def build_llm(path: str, kwargs: dict, env: dict[str, str]):
     """An engine built under the PAGEDSERVE_* variables `env` (read at load)."""
-    from latency import env_vars
-
     from pagedserve import LLM
+    from pagedserve.bench.checkpoints import env_vars
 
     with env_vars(env):
         return LLM(path, max_model_len=512, kv_cache_memory_bytes=128 << 20, enable_prefix_caching=False, **kwargs)
@@ -250,8 +249,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from latency import read_bandwidth, resolve_model
+    from pagedserve.bench.checkpoints import resolve_model
+    from pagedserve.bench.roofline import read_bandwidth
 
     path = args.model or resolve_model("smollm2", "fp32")
     source = resolve_model("smollm2", "gguf")

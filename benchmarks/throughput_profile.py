@@ -10,7 +10,7 @@ The workload, engine settings and machine probe are `benchmarks/throughput.py`'s
 engine is stepped here (`LLMEngine.step()`), and per step:
   * the engine's own timers (`add_step_hook`): the forward (model + LM head) and everything
     outside it (schedule, inputs, sampling, update, outputs: "engine");
-  * the step's roofline (`throughput.step_cost`): issue 18's max(FLOPs / peak, bytes /
+  * the step's roofline (`pagedserve.bench.roofline.step_cost`): issue 18's max(FLOPs / peak, bytes /
     bandwidth), and the phased bound (linears and attention each at their own bound);
   * on every --profile-every-th step, torch.profiler: the forward's top-level ops as GEMM
     (oneDNN / GEMV / F.linear, LM head included), attention (the paged kernel and its cache
@@ -30,22 +30,17 @@ machine's GEMM allows (`--gemm-rows` with no value skips it).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from decode_profile import top_level  # noqa: E402
-from throughput import ModelCost, StepCost, measure_machine, step_cost  # noqa: E402
-
-from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.engine.step_timings import StepTimings  # noqa: E402
+from pagedserve import LLM, SamplingParams
+from pagedserve.bench.profiling import top_level
+from pagedserve.bench.roofline import ModelCost, StepCost, measure_machine, step_cost
+from pagedserve.engine.step_timings import StepTimings
 
 GEMM_OPS = ("linear", "gemv", "addmm", "aten::mm", "mkldnn")
 ATTENTION_OPS = ("paged_attention", "reshape_and_cache", "scaled_dot_product")
