@@ -98,7 +98,7 @@ def test_tool_use_and_tool_result_blocks(server: LiveServer, client: anthropic.A
             {"type": "text", "text": "Thanks"}]},
     ]
     kwargs: dict[str, Any] = {"model": TEST_MODEL, "system": [{"type": "text", "text": "Use tools."}],
-                              "messages": messages, "tools": [WEATHER], "tool_choice": {"type": "none"}}
+                              "messages": messages}
     msg = client.messages.create(max_tokens=3, **_sampling(temperature=0.0), **kwargs)
     chat = [
         {"role": "system", "content": "Use tools."},
@@ -109,10 +109,8 @@ def test_tool_use_and_tool_result_blocks(server: LiveServer, client: anthropic.A
         {"role": "tool", "tool_call_id": "toolu_1", "content": "22 C"},
         {"role": "user", "content": "Thanks"},
     ]
-    # The chat pipeline hands the template each tool as its schema dumps it (strict: null included).
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": WEATHER["description"],
-                                               "parameters": WEATHER_SCHEMA, "strict": None}}]
-    expected = _hf_prompt_tokens(hf_tokenizer, chat, tools)
+    # No tools: how a template shows them is the chat route's business (tested there).
+    expected = _hf_prompt_tokens(hf_tokenizer, chat)
     assert msg.usage.input_tokens == expected
     assert client.messages.count_tokens(**kwargs).input_tokens == expected
     _no_leak(server)
