@@ -69,7 +69,8 @@ class StudySettings:
     context_output_len: int = 16
     quant_levels: tuple[str, ...] = ("native", "int8", "int4", "bfloat16", "float32")
     quant_requests: int = 8
-    memory_kv_tokens: int = 8192  # small enough that the ShareGPT-like trace fills it
+    memory_workload: str = "sharegpt"
+    memory_kv_tokens: int = 8192  # small enough that the trace fills it: memory is the bottleneck
     lora_counts: tuple[int, ...] = (1, 4, 16, 64, 256)
     lora_ranks: tuple[str, ...] = ("8", "16", "64", "mixed")
     max_loras: int = 16  # adapters resident at once; more are evicted and reloaded
@@ -80,6 +81,8 @@ class StudySettings:
 QUICK = StudySettings(num_requests=24, rate_fractions=(0.3, 0.6, 0.9), batch_sizes=(1, 4, 16),
                       context_lens=(256, 1024), context_output_len=8, quant_levels=("native", "int8", "bfloat16"),
                       quant_requests=4, lora_counts=(1, 4), lora_ranks=("8",),
+                      # ShareGPT-like requests are ~500 tokens: 24 of them take minutes on a 1.5B model
+                      memory_workload="alpaca", memory_kv_tokens=1024,
                       repeats=1)
 
 # args attribute -> (settings field, element type) for the list-valued overrides.
@@ -166,7 +169,8 @@ def plan(models: list[str], s: StudySettings) -> list[Cell]:
                         for c in s.context_lens],
             "quant": [Cell(m, "quant", q, {"level": q}, s.quant_requests * (s.prompt_len + s.output_len))
                       for q in s.quant_levels],
-            "memory": [Cell(m, "memory", "paged", cost=s.num_requests * 500.0)],
+            "memory": [Cell(m, "memory", "paged", cost=s.num_requests * (500.0 if s.memory_workload == "sharegpt"
+                                                                      else 80.0))],
             "lora": [Cell(m, "lora", "base", {"count": 0, "rank": "-"}, s.num_requests * 100.0)]
             + [Cell(m, "lora", f"n={k},r={r}", {"count": k, "rank": r}, s.num_requests * 100.0 + k)
                for r in s.lora_ranks for k in s.lora_counts],
@@ -308,14 +312,12 @@ class StudyRunner:
 
     def _memory(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
         s = self.s
-        spec = EngineSpec(str(info["path"]), max_model_len=min(2048, info["max_position_embeddings"]),
-                          kv_tokens=s.memory_kv_tokens)
-        requests = fit_to_context(synthetic("sharegpt", s.num_requests, info["vocab_size"], s.seed),
-                                  spec.max_model_len)
+        max_len = min(2048, s.memory_kv_tokens, info["max_position_embeddings"])
+        spec = EngineSpec(str(info["path"]), max_model_len=max_len, kv_tokens=s.memory_kv_tokens)
+        requests = fit_to_context(synthetic(s.memory_workload, s.num_requests, info["vocab_size"], s.seed), max_len)
         result = self._run(spec, requests, sample_memory=True)
-        window = info.get("sliding_window")
         return {"kv_bytes_per_token": info["kv_bytes_per_token"], "kv_tokens": s.memory_kv_tokens,
-                "sliding_window": window, **result}
+                "workload": s.memory_workload, "sliding_window": info.get("sliding_window"), **result}
 
     def _lora(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
         s, k, rank = self.s, cell.params["count"], cell.params["rank"]

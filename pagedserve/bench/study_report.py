@@ -37,7 +37,8 @@ SECTIONS = {  # part -> (title, plot file or "", how to read it)
               "The same requests with the model's weights as in its file (native), requantized to int8 / "
               "int4, or dequantized to bf16 / fp32."),
     "memory": ("KV memory: bytes per token and live share", "memory.png",
-               "A ShareGPT-like trace in a bounded paged KV pool: bytes of K/V per token, and how the pool's "
+               "A ShareGPT-like trace (Alpaca-like with --quick) in a bounded paged KV pool: bytes of K/V per "
+               "token, and how the pool's "
                "memory in use splits into live token states, slots reserved for the next tokens, and "
                "fragmentation (summed over steps; the vLLM paper's waste breakdown)."),
     "lora": ("Multi-LoRA: adapter count and rank", "lora.png",
