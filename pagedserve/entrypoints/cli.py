@@ -53,6 +53,7 @@ DEFAULT_KEEP_ALIVE_S = 5.0
 
 def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     from pagedserve.reasoning import REASONING_PARSERS
+    from pagedserve.server.protocol import MAX_LOGPROBS
     from pagedserve.server.response_store import DEFAULT_MAX_STORED_RESPONSES
     from pagedserve.tool_parsers import TOOL_PARSERS
 
@@ -120,6 +121,9 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
                        help="answer 400 to a request field the server does not know (default: accept it and "
                             "log it once; fields that would change the output and are not implemented are "
                             "refused either way)")
+    group.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, metavar="N",
+                       help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for; more is a "
+                            f"400 naming the field (default {MAX_LOGPROBS}, also the most implemented; -1: that most)")
     group.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES, metavar="N",
                        help="/v1/responses with store (the default): keep this many responses in memory for "
                             "previous_response_id, evicting the oldest first (default "

@@ -48,6 +48,7 @@ from pagedserve.server.lora_admin import (
 from pagedserve.server.metrics import CONTENT_TYPE
 from pagedserve.server.playground import install_playground
 from pagedserve.server.protocol import (
+    MAX_LOGPROBS,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -104,10 +105,24 @@ def get_ctx(request: Request) -> ServerContext:
 
 
 def checked_ctx(request: Request, body: BaseModel) -> ServerContext:
-    """The context, once the body's undeclared fields pass the field rule (request_fields.py)."""
+    """The context, once the body's undeclared fields pass the field rule (request_fields.py)
+    and its logprobs the server's --max-logprobs."""
     ctx = get_ctx(request)
     ctx.request_fields.check(body)
+    check_max_logprobs(body, request.app.state.http_options.max_logprobs)
     return ctx
+
+
+def check_max_logprobs(body: BaseModel, limit: int) -> None:
+    """vLLM's --max-logprobs: a request for more (sampled or prompt) logprobs is a 400 naming
+    the field; -1: no limit but the schema's (MAX_LOGPROBS)."""
+    if limit < 0:
+        return
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        value = getattr(body, name, None)
+        if type(value) is int and value > limit:  # chat's `logprobs` is a bool: its count is top_logprobs
+            raise APIError(400, f"{name}: {value} logprobs were requested; this server returns at most {limit} "
+                           "(--max-logprobs)", name)
 
 
 def check_api_key(request: Request) -> None:
@@ -356,6 +371,7 @@ class HTTPOptions:
     # Request bodies past this many bytes are a 413 (None: limits.default_body_limit).
     max_request_body_bytes: int | None = None
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES  # /v1/responses' store
+    max_logprobs: int = MAX_LOGPROBS  # vLLM's --max-logprobs (-1: no limit but the schema's)
 
     @classmethod
     def from_cli_args(cls, args: Any) -> HTTPOptions:
@@ -371,6 +387,7 @@ class HTTPOptions:
             public_metrics=getattr(args, "public_metrics", False),
             max_request_body_bytes=getattr(args, "max_request_body_bytes", None),
             max_stored_responses=getattr(args, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES),
+            max_logprobs=getattr(args, "max_logprobs", MAX_LOGPROBS),
         )
 
 
