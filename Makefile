@@ -4,9 +4,11 @@
 setup:
 	@bash scripts/setup.sh
 
-# SmolLM2-135M-Instruct with the demo LoRA adapters (trained once, cached; see pagedserve/demo_adapters.py).
+# SmolLM2-135M-Instruct with the demo LoRA adapters (trained once, cached; see pagedserve/demo_adapters.py),
+# tool calling on: SmolLM2's template with tools (chat_templates/smollm2_tools.jinja) and the hermes parser.
 serve: setup
-	.venv/bin/pagedserve serve $$(.venv/bin/python -m pagedserve.demo_adapters serve-args)
+	.venv/bin/pagedserve serve $$(.venv/bin/python -m pagedserve.demo_adapters serve-args) \
+		--chat-template pagedserve/chat_templates/smollm2_tools.jinja --enable-auto-tool-choice --tool-call-parser hermes
 
 demo: setup
 	.venv/bin/python -m pagedserve.entrypoints.demo

@@ -29,10 +29,12 @@ from pydantic import (
     Discriminator,
     Field,
     PrivateAttr,
+    SerializerFunctionWrapHandler,
     StringConstraints,
     Tag,
     ValidatorFunctionWrapHandler,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -531,12 +533,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
-class DeltaFunctionCall(BaseModel):
+class _OmitNone(BaseModel):
+    """Serialized without its None fields: OpenAI sends a call's later stream pieces as
+    {"index": 0, "function": {"arguments": "..."}}, and clients that merge the pieces (the
+    openai package's stream helper) would take an explicit null type or name as a new value."""
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_OmitNone):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCallOut(BaseModel):
+class DeltaToolCallOut(_OmitNone):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None

@@ -79,7 +79,7 @@ async def render_chat(ctx: ServerContext, body: ChatCompletionRequest | Tokenize
     rendered by the input processor in the tokenize worker, which first refuses messages
     too long to fit; a template that cannot render them is a 400 naming the field."""
     given = getattr(body, "tools", None)  # /tokenize's chat shape has no tools
-    tools = [t.model_dump() for t in given] if given else None
+    tools = [t.model_dump(exclude_none=True) for t in given] if given else None
     messages = [m.as_template_input() for m in body.messages or []]
     processor = ctx.processor
     template = ctx.chat_template or getattr(processor.tokenizer, "chat_template", None)

@@ -2,7 +2,7 @@ r"""A constraint that applies after a reasoning block (--reasoning-parser with l
 
     start: think ws body            (the prompt opened the block: DeepSeek-R1, Qwen3-Thinking)
     start: think? ws body           (the model may open it: Qwen3, generic <think>)
-    think[lazy]: "<think>"? /(?s:.*)<\/think>/    free text, up to the first end marker
+    think[lazy]: "<think>"? /(?s:.*)<\/think>/    free text up to the first end marker ("?": if opened)
     body: the request's constraint   (%json, a regex or a choice lexeme)
 
 Lark with llguidance's extensions (`%json`, lazy rules); xgrammar cannot read it, so the
@@ -26,7 +26,9 @@ def after_reasoning(spec: StructuredOutputsParams, start: str, end: str, opened:
     body = _body(spec)
     if body is None:
         return spec
-    think = f"think[lazy]: {json.dumps(start)}? /(?s:.*){_regex_literal(re.escape(end))}/"
+    # Opened by the prompt, the model may still write the start marker itself (older R1s do).
+    marker = json.dumps(start) + ("?" if opened else "")
+    think = f"think[lazy]: {marker} /(?s:.*){_regex_literal(re.escape(end))}/"
     head = "start: think ws body" if opened else "start: think? ws body"
     grammar = f"{head}\n{think}\nws: /[ \\t\\r\\n]*/\n{body}\n"
     return dataclasses.replace(spec, json=None, regex=None, choice=None, json_object=None, grammar=grammar)

@@ -276,3 +276,83 @@ def test_a_temperature_past_float32_still_samples_inside_the_constraint(llm):
     outs = llm.generate(["Answer:"] * len(params), params, use_tqdm=False)
     for out in outs:
         assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in choices
+
+
+# ---- undeclared keys (issue 37.7) and constraints after reasoning (37.2) ------------------
+
+from pagedserve.structured_outputs.llguidance_backend import LLGuidanceBackend  # noqa: E402
+from pagedserve.structured_outputs.reasoning import after_reasoning  # noqa: E402
+from pagedserve.structured_outputs.schema import close_objects  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def backend(model_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path(MODEL))
+    return tokenizer, LLGuidanceBackend(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+
+
+def _accepts(backend, spec: StructuredOutputsParams, text: str) -> bool:
+    """Whether the compiled grammar takes `text` whole and then lets the output end."""
+    tokenizer, compiled = backend[0], backend[1].compile(spec)
+    matcher = compiled.new_matcher()
+    # Complete: the grammar has stopped (nothing may follow) or takes EOS now.
+    return all(matcher.accept_token(t) for t in tokenizer.encode(text)) and (
+        matcher.is_terminated() or matcher.accept_token(tokenizer.eos_token_id))
+
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "where": {"$ref": "#/$defs/place"}},
+                  "required": ["city"], "$defs": {"place": {"type": "object", "properties": {"lat": {"type": "number"}}}}}
+DOCUMENTS = ['{"city": "Paris"}', '{"city": "Paris", "location": "Paris"}', '{"city": "Paris", "": 1}',
+             '{"city": "Paris", "where": {"lat": 1.5}}', '{"city": "Paris", "where": {"lat": 1.5, "lon": 2}}']
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+@pytest.mark.parametrize("extra", [None, True, False])
+def test_undeclared_keys_follow_jsonschema_of_the_closed_schema(backend, document: str, extra: bool | None) -> None:
+    """Absent additionalProperties reads as false (vLLM's default); an explicit value is kept.
+    The oracle: jsonschema on the schema with that reading written out."""
+    schema = json.loads(json.dumps(WEATHER_SCHEMA))
+    if extra is not None:
+        schema["additionalProperties"] = extra
+        schema["$defs"]["place"]["additionalProperties"] = extra
+    explicit = json.loads(json.dumps(schema))
+    for node in (explicit, explicit["$defs"]["place"]):
+        node.setdefault("additionalProperties", False)
+    valid = jsonschema.Draft202012Validator(explicit).is_valid(json.loads(document))
+    assert _accepts(backend, StructuredOutputsParams(json=schema), document) == valid
+    assert close_objects(schema) == explicit
+
+
+def test_free_form_objects_stay_open() -> None:
+    assert close_objects({"type": "object"}) == {"type": "object"}
+    assert close_objects({"enum": [{"properties": 1}]}) == {"enum": [{"properties": 1}]}  # data, not a schema
+
+
+def test_random_model_forced_object_has_no_undeclared_keys(llm) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=3, n=8,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    (out,) = llm.generate(["weather:"], params)
+    closed = {**schema, "additionalProperties": False}
+    for sample in out.outputs:
+        jsonschema.validate(json.loads(sample.text), closed)
+    llm.llm_engine.assert_no_leaks()
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_constraint_after_a_reasoning_block(backend, opened: bool) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    spec = after_reasoning(StructuredOutputsParams(json=schema), "<think>", "</think>", opened)
+    assert _accepts(backend, spec, '<think>free text, even {"b": 1} </thi</think>\n\n{"a": 5}')
+    assert _accepts(backend, spec, 'no start marker</think>{"a": 5}') == opened
+    assert _accepts(backend, spec, '{"a": 5}') == (not opened)
+    assert not _accepts(backend, spec, '<think>x</think>{"a": 5, "b": 1}')  # closed after the reasoning too
+    regex = after_reasoning(StructuredOutputsParams(regex="[0-9]+/[0-9]+"), "<think>", "</think>", opened)
+    assert _accepts(backend, regex, "<think>hm</think>12/34")
+    choice = after_reasoning(StructuredOutputsParams(choice=["yes", "no"]), "<think>", "</think>", opened)
+    assert _accepts(backend, choice, "<think>hm</think> no") and not _accepts(backend, choice, "<think>hm</think>maybe")
+    grammar = StructuredOutputsParams(grammar='start: "x"')
+    assert after_reasoning(grammar, "<think>", "</think>", opened) is grammar  # applies from the first token
