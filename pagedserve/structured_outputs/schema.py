@@ -17,25 +17,29 @@ import json
 from typing import Any
 
 
-def close_objects(schema: str | dict[str, Any] | bool) -> dict[str, Any] | bool:
-    """A copy of `schema` whose objects with declared properties forbid undeclared keys."""
+def close_objects(schema: str | dict[str, Any] | bool, strict: bool = False) -> dict[str, Any] | bool:
+    """A copy of `schema` whose objects with declared properties forbid undeclared keys.
+
+    strict (a tool's `"strict": true`, OpenAI's strict mode, where every object must say
+    `additionalProperties: false`): such objects are closed even where they say otherwise."""
     value = json.loads(schema) if isinstance(schema, str) else copy.deepcopy(schema)
-    _close(value)
+    _close(value, strict)
     return value  # type: ignore[no-any-return]
 
 
-def _close(node: Any) -> None:
+def _close(node: Any, strict: bool) -> None:
     if isinstance(node, list):
         for item in node:
-            _close(item)
+            _close(item, strict)
         return
     if not isinstance(node, dict):
         return
     for key, child in node.items():
         # Enum and const values and examples are data, not schemas.
         if key not in ("enum", "const", "default", "examples"):
-            _close(child)
-    if "additionalProperties" not in node and ("properties" in node or "patternProperties" in node):
+            _close(child, strict)
+    declares = "properties" in node or "patternProperties" in node
+    if declares and (strict or "additionalProperties" not in node):
         node["additionalProperties"] = False
 
 

@@ -14,13 +14,19 @@ import json
 from typing import Any
 
 from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.structured_outputs.schema import close_objects
 from pagedserve.tool_parsers.base import ToolCall
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    return tool["function"].get("parameters") or _ANY_OBJECT
+    """The tool's parameter schema; a `"strict": true` tool's objects all closed (OpenAI's
+    strict mode; the grammar closes objects that say nothing anyway: structured_outputs/schema.py)."""
+    parameters = tool["function"].get("parameters") or _ANY_OBJECT
+    if tool["function"].get("strict"):
+        return close_objects(parameters, strict=True)  # type: ignore[return-value]
+    return parameters
 
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:

@@ -180,3 +180,21 @@ def test_registry() -> None:
 
     assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
     assert all(parser.format_hint for parser in TOOL_PARSERS.values())
+
+
+def test_strict_tool_is_closed_everywhere() -> None:
+    """A tool's "strict": true (OpenAI's strict mode): every object of its forced call is
+    closed, even one that says additionalProperties: true; without strict it is kept."""
+    from pagedserve.tool_parsers.tool_choice import tool_choice_constraint
+
+    params = {"type": "object", "properties": {"o": {"type": "object", "properties": {"k": {"type": "string"}},
+                                                     "additionalProperties": True}}, "additionalProperties": True}
+    for strict in (True, False):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": params, "strict": strict}}]
+        named = tool_choice_constraint(tools, {"type": "function", "function": {"name": "f"}})
+        assert named is not None and isinstance(named.json, dict)
+        assert named.json["additionalProperties"] is not strict
+        assert named.json["properties"]["o"]["additionalProperties"] is not strict
+        required = tool_choice_constraint(tools, "required")
+        assert required is not None and isinstance(required.json, dict)
+        assert required.json["items"]["properties"]["parameters"]["additionalProperties"] is not strict
