@@ -6,7 +6,9 @@ measurement of one model (a rate, a batch size, a quantization level...). Layout
     <out>/cells/<model>/<part>/<key>.json    {"cell": {...}, "seconds": s, "result": {...}}
 
 A rerun loads the cells on disk and runs only the missing ones, so an interrupted study
-(Ctrl-C, a reboot, a crashed cell) loses at most the cell in flight. A cell that raised is
+(Ctrl-C, a reboot, a crashed cell) loses at most the cell in flight. Each record carries the
+settings it was measured under (`fingerprint`); a cell saved under other settings counts as
+missing and is measured again, so one folder never mixes two configurations. A cell that raised is
 saved too, with its error, so that a model that cannot run a cell (a quantization its
 format lacks) is not retried every time; `retry_errors` reruns those.
 """
@@ -52,22 +54,25 @@ def slug(text: str) -> str:
 class CellStore:
     """The cells of one study folder: which are done, their results, saving new ones."""
 
-    def __init__(self, out_dir: str | Path) -> None:
+    def __init__(self, out_dir: str | Path, fingerprint: dict[str, Any] | None = None) -> None:
         self.root = Path(out_dir) / "cells"
+        self.fingerprint = json_clean(fingerprint or {})
 
     def path(self, cell: Cell) -> Path:
         return self.root / slug(cell.model) / slug(cell.part) / f"{slug(cell.key)}.json"
 
     def load(self, cell: Cell) -> dict[str, Any] | None:
-        """The saved record of `cell` (None when it has not run)."""
+        """The saved record of `cell` (None when it has not run, or ran under other settings)."""
         try:
-            return json.loads(self.path(cell).read_text())  # type: ignore[no-any-return]
+            record: dict[str, Any] = json.loads(self.path(cell).read_text())
         except (OSError, ValueError):
             return None
+        return record if record.get("fingerprint", {}) == self.fingerprint else None
 
     def save(self, cell: Cell, result: dict[str, Any], seconds: float) -> dict[str, Any]:
         record = {"cell": {"model": cell.model, "part": cell.part, "key": cell.key, "params": cell.params},
-                  "seconds": seconds, "date": time.strftime("%Y-%m-%d %H:%M"), "result": result}
+                  "fingerprint": self.fingerprint, "seconds": seconds, "date": time.strftime("%Y-%m-%d %H:%M"),
+                  "result": result}
         path = self.path(cell)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

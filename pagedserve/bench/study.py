@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,12 @@ class StudySettings:
     repeats: int = 2  # offline cells: fastest of this many runs (other load only adds time)
     seed: int = 0
 
+    def fingerprint(self) -> dict[str, Any]:
+        """What a saved cell's numbers depend on beyond its own key: every setting but the
+        lists of cells (adding a rate or a batch size keeps the cells already measured)."""
+        lists = {"parts", *_LIST_FLAGS}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in lists}
+
 
 QUICK = StudySettings(num_requests=24, rate_fractions=(0.3, 0.6, 0.9), batch_sizes=(1, 4, 16),
                       context_lens=(256, 1024), context_output_len=8, quant_levels=("native", "int8", "bfloat16"),
@@ -125,7 +131,7 @@ def run_study(args: argparse.Namespace) -> int:
     models = parse_list(args.models)
     settings = settings_from_args(args, parse_list(args.parts) if args.parts else None)
     out = Path(args.out_dir)
-    store = CellStore(out)
+    store = CellStore(out, settings.fingerprint())
     cells = plan(models, settings)
     if args.render_only:
         records = {c: r for c in cells if (r := store.load(c)) is not None}
@@ -195,8 +201,9 @@ class StudyRunner:
             return {"available": False, "reason": PEER_MISSING}
         if cell.part == "info":
             return self._info(cell.model)
-        info = self._saved_info(cell.model)
-        return dict(getattr(self, f"_{cell.part}")(cell, info))
+        measures = {"latency": self._latency, "batch": self._batch, "context": self._context,
+                    "quant": self._quant, "memory": self._memory, "lora": self._lora}
+        return measures[cell.part](cell, self._saved_info(cell.model))
 
     def close(self) -> None:
         self._engine = self._spec = None

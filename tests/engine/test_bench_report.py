@@ -23,6 +23,11 @@ TABLE_HEADERS = {"info": "| model | weights |", "latency": "| model | load |", "
 PLOTS = ["latency.png", "batch.png", "context.png", "quant.png", "memory.png", "lora.png"]
 
 
+def _store(out, args) -> CellStore:
+    """The cells as the study saved them (under its settings' fingerprint)."""
+    return CellStore(out, settings_from_args(args, None).fingerprint())
+
+
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     out = tmp_path_factory.mktemp("study")
@@ -44,7 +49,7 @@ def test_report_has_every_table_plot_and_cell(study):
         assert f"]({name})" in report
     cells = plan(MODELS, settings_from_args(args, None))
     assert {c.part for c in cells} == set(PARTS)
-    store = CellStore(out)
+    store = _store(out, args)
     for cell in cells:
         record = store.load(cell)
         assert record is not None, f"cell {cell.name} saved"
@@ -56,7 +61,7 @@ def test_report_has_every_table_plot_and_cell(study):
 
 def test_cells_hold_what_the_tables_need(study):
     out, args, _ = study
-    store = CellStore(out)
+    store = _store(out, args)
     latency = [store.load(Cell(m, "latency", f"rate={f:g}"))["result"] for m in MODELS for f in (0.5, 1, 1.5)]
     for r in latency:
         assert r["completed"] == 6 and r["request_rate"] > 0
@@ -73,7 +78,7 @@ def test_cells_hold_what_the_tables_need(study):
 
 def test_rerun_skips_done_cells_and_runs_missing_ones(study, capsys):
     out, args, _ = study
-    store = CellStore(out)
+    store = _store(out, args)
     dropped = Cell("qwen2", "batch", "2")
     before = {c: store.path(c).stat().st_mtime_ns for c in plan(MODELS, settings_from_args(args, None))}
     store.path(dropped).unlink()
@@ -82,3 +87,10 @@ def test_rerun_skips_done_cells_and_runs_missing_ones(study, capsys):
     assert "[study] 1 cells run" in capsys.readouterr().out
     after = {c: store.path(c).stat().st_mtime_ns for c in before}
     assert [c for c in before if after[c] != before[c]] == [dropped]
+
+
+def test_a_cell_saved_under_other_settings_is_measured_again(tmp_path):
+    cell = Cell("m", "batch", "4", {"batch": 4})
+    CellStore(tmp_path, {"num_requests": 6}).save(cell, {"output_throughput": 1.0}, 0.1)
+    assert CellStore(tmp_path, {"num_requests": 6}).load(cell)["result"] == {"output_throughput": 1.0}
+    assert CellStore(tmp_path, {"num_requests": 8}).load(cell) is None
