@@ -121,6 +121,9 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
                        help="answer 400 to a request field the server does not know (default: accept it and "
                             "log it once; fields that would change the output and are not implemented are "
                             "refused either way)")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage.prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix "
+                            "cache")
     group.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, metavar="N",
                        help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for; more is a "
                             f"400 naming the field (default {MAX_LOGPROBS}, also the most implemented; -1: that most)")

@@ -93,6 +93,7 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),
+        enable_prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
         request_fields=RequestFields(strict=getattr(args, "strict_request_fields", False)),
     )
 

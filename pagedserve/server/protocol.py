@@ -147,6 +147,8 @@ class StrictRequest(BaseModel):
 
 class StreamOptions(StrictRequest):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class JSONSchemaFormat(StrictRequest):
@@ -476,10 +478,16 @@ class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int = 0
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # --enable-prompt-tokens-details: the prompt tokens whose KV came from the prefix cache.
+    prompt_tokens_details: PromptTokensDetails | None = None
     # Chat with --reasoning-parser: how many completion tokens were reasoning.
     completion_tokens_details: CompletionTokensDetails | None = None
 

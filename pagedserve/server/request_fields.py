@@ -44,7 +44,6 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "functions": (f"the deprecated functions API {_NOT_IMPLEMENTED}; send tools", ()),
     "function_call": (f"the deprecated functions API {_NOT_IMPLEMENTED}; send tool_choice", ()),
     "verbosity": (f"verbosity {_NOT_IMPLEMENTED}", ()),
-    "stream_options.continuous_usage_stats": (f"usage in every chunk {_NOT_IMPLEMENTED}", (False,)),
     # vLLM's sampling and prompt extras
     "use_beam_search": (f"beam search {_NOT_IMPLEMENTED}", (False,)),
     "length_penalty": (f"length_penalty (beam search) {_NOT_IMPLEMENTED}", (1.0, 1)),

@@ -41,9 +41,11 @@ from pagedserve.server.serving_common import (
     SSE_DONE,
     Collected,
     ServerContext,
+    cached_details,
     check_not_failed,
     collect,
     compile_constraint,
+    continuous_usage,
     json_logprob,
     make_params,
     process,
@@ -125,12 +127,15 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     request_id = random_id("chatcmpl")
     if body.stream:
         return StreamingResponse(
-            _stream(body, model, request_id, len(prompt_ids), group, parsing),
+            _stream(body, model, request_id, len(prompt_ids), group, parsing, ctx.enable_prompt_tokens_details),
             media_type="text/event-stream",
             background=BackgroundTask(group.abort),
         )
     collected = await collect(group, raw_request, body.n)
-    return JSONResponse(_response(body, model, request_id, prompt_ids, collected, parsing).model_dump())
+    response = _response(body, model, request_id, prompt_ids, collected, parsing)
+    response.usage.prompt_tokens_details = cached_details(ctx.enable_prompt_tokens_details,
+                                                          collected.choices[0].num_cached_tokens)
+    return JSONResponse(response.model_dump())
 
 
 def _constrain_after_reasoning(ctx: ServerContext, params: SamplingParams, parsing: OutputParsing) -> SamplingParams:
@@ -252,28 +257,37 @@ def _chunk_choice(
 
 async def _stream(
     body: ChatCompletionRequest, model: str, request_id: str, num_prompt_tokens: int, group: RequestGroup,
-    parsing: OutputParsing,
+    parsing: OutputParsing, prompt_tokens_details: bool = False,
 ) -> AsyncIterator[str]:
     def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> str:
         return sse(ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage))
 
+    # continuous_usage_stats: each chunk's usage is its choice's so far, as vLLM's.
+    continuous = continuous_usage(body)
+    choice_tokens = [0] * body.n
+    cached = 0
     completion_tokens = 0
     streams = [parsing.stream() for _ in range(body.n)]
     try:
         # OpenAI's first chunk of each choice carries only the role.
         yield chunk([ChatChunkChoice(index=i, delta=ChatDeltaOut(role="assistant", content=""))
-                     for i in range(body.n)])
+                     for i in range(body.n)], _usage(num_prompt_tokens, 0) if continuous else None)
         async with group:  # a client that disconnects cancels us here: its requests are aborted
             async for _, output in group:
+                cached = output.num_cached_tokens
                 # One engine request; each delta output is one sample's, its index the choice's.
                 for completion in output.outputs:
                     completion_tokens += len(completion.token_ids)
                     index = completion.index
-                    yield chunk([_chunk_choice(body, index, completion, streams[index])])
+                    choice_tokens[index] += len(completion.token_ids)
+                    yield chunk([_chunk_choice(body, index, completion, streams[index])],
+                                _usage(num_prompt_tokens, choice_tokens[index]) if continuous else None)
                     check_not_failed(completion)
         if body.stream_options is not None and body.stream_options.include_usage:
             reasoning_tokens = sum(s.reasoning_tokens for s in streams) if parsing.reasoning is not None else None
-            yield chunk([], _usage(num_prompt_tokens, completion_tokens, reasoning_tokens))
+            usage = _usage(num_prompt_tokens, completion_tokens, reasoning_tokens)
+            usage.prompt_tokens_details = cached_details(prompt_tokens_details, cached)
+            yield chunk([], usage)
     except Exception as exc:  # noqa: BLE001 - reported in-band: the 200 is already sent
         yield sse_error(exc)
     yield SSE_DONE

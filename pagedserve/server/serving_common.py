@@ -28,6 +28,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError, bad_request, known_failure
 from pagedserve.server.lora_admin import LoRARegistry
 from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.protocol import PromptTokensDetails
 from pagedserve.server.request_fields import RequestFields
 from pagedserve.structured_outputs import GrammarError
 from pagedserve.structured_outputs.manager import STARTED_POLL_S, started
@@ -70,6 +71,8 @@ class ServerContext:
     tool_call_parser: str | None = None
     # --reasoning-parser: reasoning text out of chat content (pagedserve/reasoning/).
     reasoning_parser: str | None = None
+    # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (vLLM's flag).
+    enable_prompt_tokens_details: bool = False
     # What an undeclared request field gets (--strict-request-fields: a 400).
     request_fields: RequestFields = field(default_factory=RequestFields)
 
@@ -217,9 +220,11 @@ class ChoiceState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # of its prompt, found in the prefix cache
 
     def add(self, output: RequestOutput, completion: CompletionOutput) -> None:
         self.prompt_token_ids = output.prompt_token_ids
+        self.num_cached_tokens = output.num_cached_tokens
         self.text.append(completion.text)
         self.token_counts.append(len(completion.token_ids))
         self.token_ids.extend(completion.token_ids)
@@ -303,6 +308,17 @@ def check_not_failed(completion: CompletionOutput) -> None:
     """In a stream: a sample that ended with "error" ends the stream with an error chunk."""
     if completion.finish_reason == "error":
         raise request_failed(completion.stop_reason)
+
+
+def cached_details(enabled: bool, num_cached_tokens: int) -> PromptTokensDetails | None:
+    """usage.prompt_tokens_details when --enable-prompt-tokens-details is on, else None."""
+    return PromptTokensDetails(cached_tokens=num_cached_tokens) if enabled else None
+
+
+def continuous_usage(body: Any) -> bool:
+    """stream_options.continuous_usage_stats (with include_usage): usage in every chunk."""
+    options = body.stream_options
+    return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 def sse(chunk: BaseModel | dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ from pagedserve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     PromptLogprob,
+    PromptTokensDetails,
     Usage,
     random_id,
 )
@@ -30,10 +31,12 @@ from pagedserve.server.serving_common import (
     SSE_DONE,
     Collected,
     ServerContext,
+    cached_details,
     check_not_failed,
     choice_index,
     collect,
     compile_constraint,
+    continuous_usage,
     json_logprob,
     make_params,
     process,
@@ -200,17 +203,21 @@ def _response(
     # Every sample is generated, so every sample counts (best_of's dropped ones too, as
     # OpenAI bills them); echo with max_tokens=0 returns no generated token and bills none.
     completion_tokens = 0 if _echo_only(body) else collected.num_generated_tokens
+    # Each prompt is one engine request: its samples share (and report) its cache hits.
+    cached = sum(state.num_cached_tokens for state in collected.choices[::body.n])
+    details = cached_details(ctx.enable_prompt_tokens_details, cached)
     return CompletionResponse(
-        id=request_id, model=model, choices=choices, usage=_usage(prompts, completion_tokens)
+        id=request_id, model=model, choices=choices, usage=_usage(prompts, completion_tokens, details)
     )
 
 
-def _usage(prompts: list[Prompt], completion_tokens: int) -> Usage:
+def _usage(prompts: list[Prompt], completion_tokens: int, details: PromptTokensDetails | None = None) -> Usage:
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=details,
     )
 
 
@@ -223,6 +230,8 @@ class _StreamState:
         # Per prompt: only its prefilling sample's first output carries them.
         self.prompt_logprobs: list[list | None] = [None] * num_prompts
         self.completion_tokens = 0
+        self.choice_tokens = [0] * (num_prompts * n)  # generated so far, per choice
+        self.cached = [0] * num_prompts  # prompt tokens found in the prefix cache, per prompt
 
 
 def _stream_choice(
@@ -234,6 +243,8 @@ def _stream_choice(
         text, token_ids, entries = "", [], []
     state.completion_tokens += len(token_ids)
     index = choice_index(request_index, completion, body.n)
+    state.choice_tokens[index] += len(token_ids)
+    state.cached[request_index] = output.num_cached_tokens
     prompt = prompts[request_index]
     if output.prompt_logprobs is not None:
         state.prompt_logprobs[request_index] = output.prompt_logprobs
@@ -256,6 +267,16 @@ def _stream_choice(
     )
 
 
+def _choice_usage(
+    body: CompletionRequest, prompts: list[Prompt], state: _StreamState, request_index: int, index: int
+) -> Usage | None:
+    """continuous_usage_stats: a chunk's usage is its choice's so far (its prompt, its tokens),
+    as vLLM's; the cache hits are in the last usage only, as on chat."""
+    if not continuous_usage(body):
+        return None
+    return _usage([prompts[request_index]], state.choice_tokens[index])
+
+
 async def _stream(
     ctx: ServerContext, body: CompletionRequest, model: str, request_id: str,
     prompts: list[Prompt], group: RequestGroup,
@@ -267,10 +288,12 @@ async def _stream(
                 # A delta output carries one sample's new tokens; its choice says which.
                 for completion in output.outputs:
                     choice = _stream_choice(ctx, body, prompts, state, request_index, output, completion)
-                    yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
+                    yield sse(CompletionResponse(id=request_id, model=model, choices=[choice],
+                                                 usage=_choice_usage(body, prompts, state, request_index, choice.index)))
                     check_not_failed(completion)
         if body.stream_options is not None and body.stream_options.include_usage:
-            usage = _usage(prompts, state.completion_tokens)
+            details = cached_details(ctx.enable_prompt_tokens_details, sum(state.cached))
+            usage = _usage(prompts, state.completion_tokens, details)
             yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
     except Exception as exc:  # noqa: BLE001 - reported in-band: the 200 is already sent
         yield sse_error(exc)

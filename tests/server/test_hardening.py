@@ -353,7 +353,7 @@ BAD_INPUTS = [
     (CHAT, {"messages": MSG, "logprobs": 1}, "logprobs"),
     # not implemented and would change the output (#37.1); a refused nested field names its parent
     (CMPL, {"suffix": "x"}, "suffix"), (CHAT, {"messages": MSG, "functions": [{"name": "f"}]}, "functions"),
-    (CHAT, {"messages": MSG, "stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_object", "whitespace": "x"}}, "response_format"),
     ("/tokenize", {"prompt": "a", "messages": MSG}, "prompt"),
     # out of range
     (CMPL, {"temperature": -1}, "temperature"), (CMPL, {"top_p": 0}, "top_p"), (CMPL, {"n": 1000}, "n"),
