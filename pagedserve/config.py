@@ -15,13 +15,9 @@ against (tests/test_settings_single_source.py fails when one is written twice).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 from pagedserve.compilation.config import CompilationConfig
 from pagedserve.spec_decode.config import SpeculativeConfig
-
-if TYPE_CHECKING:
-    import torch
 
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -50,7 +46,7 @@ def _check_choice(setting: str, value: object, choices: tuple) -> None:
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    """What to quantize and how (`quantization/selector.py` turns it into a layer method).
+    """What to quantize and how (`quantization.selector.get_linear_method` turns it into a layer method).
 
     Args:
         method: "int8" (symmetric, group-wise or per output channel), "int4" (group-wise,
@@ -96,13 +92,6 @@ class QuantizationConfig:
     @property
     def effective_group_size(self) -> int:
         return self.group_size if self.group_size is not None else DEFAULT_GROUP_SIZES[self.method]
-
-    def linear_method(self) -> Any:
-        """A fresh layer method (`quantization.selector.get_linear_method`; imports torch)."""
-        from pagedserve.quantization.selector import get_linear_method
-
-        return get_linear_method(self)
-
 
 # ModelConfig.dtype's accepted names -> torch's name for the dtype.
 DTYPE_ALIASES = {
@@ -308,9 +297,3 @@ class EngineConfig:
         if self.lora is not None and self.cache.kv_allocation != "paged":
             # Adapters are paged into the KV block pool; a contiguous baseline has none.
             raise ValueError(f"enable_lora needs kv_allocation='paged', got {self.cache.kv_allocation!r}")
-
-    def torch_device(self) -> torch.device:
-        """The device as a torch object (`dtypes.torch_device`); imports torch."""
-        from pagedserve.dtypes import torch_device
-
-        return torch_device(self.device)

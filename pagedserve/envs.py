@@ -42,8 +42,10 @@ fails the engine's construction (`cpp_build.KernelUnavailable`); unset, a fallba
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+from collections.abc import Iterator
 from typing import Literal, get_args
 
 
@@ -136,6 +138,22 @@ def tp_timeout_s() -> float:
     if seconds <= 0:
         raise ValueError(f"PAGEDSERVE_TP_TIMEOUT_S must be > 0; got {value!r}")
     return seconds
+
+
+@contextlib.contextmanager
+def overridden(values: dict[str, str]) -> Iterator[None]:
+    """Sets environment variables for the block (an engine built inside reads them, as the
+    benchmarks' per-variant engines do), restoring the old values after."""
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def cache_dir() -> pathlib.Path:

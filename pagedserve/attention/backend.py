@@ -1,4 +1,4 @@
-"""Paged-attention backend interface, and the choice of a backend for a device.
+"""Paged-attention backend interface (the choice of a backend for a device: selector.py).
 
 A backend turns the step's `CommonAttentionMetadata` into its own metadata (index tensors,
 masks, work partitions) ONCE per step in `build_metadata`; every layer then calls `forward`
@@ -8,19 +8,16 @@ with that object. Per-layer work must never rebuild indices or loop over request
     layer:   out  = meta.backend.forward(q, k, v, kv_cache, meta, scale)   # once per layer
 
 A CUDA kernel backend (FlashAttention / paged kernels) slots in by subclassing
-`AttentionBackend` and `AttentionMetadata` and returning it from `get_attention_backend`.
+`AttentionBackend` and `AttentionMetadata` and returning it from `selector.get_attention_backend`.
 """
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 
 import torch
 
 from pagedserve.attention.metadata import CommonAttentionMetadata
-
-logger = logging.getLogger(__name__)
 
 
 class AttentionMetadata:
@@ -74,33 +71,3 @@ class AttentionBackend(ABC):
         Returns:
             (num_tokens, num_heads, head_dim) attention output in the flat batch order.
         """
-
-
-def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """The attention backend for `device`.
-
-    `PAGEDSERVE_ATTENTION_BACKEND` (read in `pagedserve.envs`) forces `torch` or `cpp`;
-    unset, CPU gets the fused C++ kernel and everything else the pure-torch backend. On CPU
-    the kernel measured 3.3-3.8x faster than gather + SDPA on decode and 1.1-1.5x on prefill
-    chunks (benchmarks/attention_micro.py, fp32, 1 and 2 threads). When the C++ kernel
-    cannot be built (no compiler, no ninja), the torch backend is used and a warning logged;
-    a forced `cpp` then fails (KernelUnavailable), as every forced kernel does.
-    """
-    from pagedserve import envs
-    from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
-
-    device = torch.device(device)
-    choice = envs.attention_backend()
-    if choice == "cpp" or (choice is None and device.type == "cpu"):
-        from pagedserve.attention.cpp_paged import CppPagedAttentionBackend
-        from pagedserve.cpp_build import KernelUnavailable
-
-        # Not cpp_build.resolve: the backend loads its kernel itself (`cpp_paged.load_extension`,
-        # which a test replaces to stand for a machine without a compiler).
-        try:
-            return CppPagedAttentionBackend(device=device)
-        except KernelUnavailable as exc:
-            if choice == "cpp":
-                raise
-            logger.warning("C++ paged attention unavailable, using the torch backend: %s", exc)
-    return TorchPagedAttentionBackend(device=device)

@@ -10,8 +10,8 @@ Used by benchmarks/latency.py, decode_profile.py and chat_speed.py.
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator
+
+from pagedserve import envs
 
 
 def resolve_model(name: str, precision: str) -> str | None:
@@ -30,16 +30,6 @@ def resolve_model(name: str, precision: str) -> str | None:
     return name
 
 
-@contextlib.contextmanager
-def env_vars(values: dict[str, str]) -> Iterator[None]:
+def env_vars(values: dict[str, str]) -> contextlib.AbstractContextManager[None]:
     """The PAGEDSERVE_* variables an engine is built under (read at load), restored after."""
-    old = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return envs.overridden(values)

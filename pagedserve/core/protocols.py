@@ -14,13 +14,13 @@ checks it where it is passed as one (core/factory.py, engine/llm_engine.py).
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from pagedserve.request import Request
 
-if TYPE_CHECKING:
-    # Types only: the placement is opaque to the scheduler, which hands it to the runner.
-    from pagedserve.lora.segments import ResidentAdapter
+# Where a resident adapter's weights are (lora/segments.py's ResidentAdapter). Opaque to the
+# scheduler, which hands it from the residency to the runner, so core/ names no LoRA type.
+AdapterPlacement = Any
 
 
 class Residency(enum.Enum):
@@ -54,7 +54,7 @@ class AdapterResidency(Protocol):
         """Frees the blocks of the least recently used idle adapter; False if there is none."""
         ...
 
-    def resident(self, lora_id: int) -> ResidentAdapter:
+    def resident(self, lora_id: int) -> AdapterPlacement:
         """Where a resident adapter's weights are (handed to the runner in `SchedulerOutput`)."""
         ...
 

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from pagedserve.core.protocols import AdapterPlacement
 from pagedserve.request import Request
-
-if TYPE_CHECKING:
-    from pagedserve.lora.segments import ResidentAdapter
 
 
 @dataclass(slots=True)
@@ -58,7 +55,7 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)
     # LoRA: where the adapter of each scheduled request lives (lora_id -> its KV blocks),
     # from the scheduler's `AdapterResidency`; empty when LoRA is off or unused this step.
-    lora_adapters: dict[int, ResidentAdapter] = field(default_factory=dict)
+    lora_adapters: dict[int, AdapterPlacement] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

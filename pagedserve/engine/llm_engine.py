@@ -16,7 +16,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.factory import build_kv_manager, build_scheduler
 from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.core.scheduler import SchedulerStats
-from pagedserve.dtypes import lora_dtype
+from pagedserve.dtypes import lora_dtype, torch_device
 from pagedserve.engine import builder, registry
 from pagedserve.engine.beam_search import BeamSearchDriver
 from pagedserve.engine.faults import FaultInjector
@@ -81,7 +81,7 @@ class LLMEngine:
         # The plan of the latest step (read by the benchmarks' simulated-time driver).
         self.last_scheduler_output: SchedulerOutput | None = None
         self.created_seq = next(LLMEngine._created)
-        self.device = config.torch_device()
+        self.device = torch_device(config.device)
         torch.manual_seed(config.model.seed)
         model_cfg = config.model
         self.source = resolve_model_source(model_cfg, self.device)

@@ -66,6 +66,7 @@ from pagedserve.models.layers.linear import LinearBase, RowParallelLinear, defau
 from pagedserve.models.registry import get_model_class
 from pagedserve.quantization import PER_CHANNEL, QuantizationConfig, UnquantizedLinearMethod
 from pagedserve.quantization.packed import PACKED, onednn_available
+from pagedserve.quantization.selector import get_linear_method
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +174,8 @@ def attach_quant_methods(
             f"quantization={quantization.method!r} has CPU kernels only (device {device}); "
             "a GPU kernel slots in as another LinearMethod"
         )
-    method = quantization.linear_method()
-    fallback = QuantizationConfig("int8", group_size=PER_CHANNEL).linear_method()
+    method = get_linear_method(quantization)
+    fallback = get_linear_method(QuantizationConfig("int8", group_size=PER_CHANNEL))
     fell_back = []
     for name, module in model.named_modules():
         wanted = (isinstance(module, LinearBase) and not heads_only) or (

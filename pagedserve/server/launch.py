@@ -57,13 +57,14 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
     serving_engine: Any
     if engine_args.data_parallel_size > 1 or engine_args.distributed_executor_backend is not None:
         from pagedserve.distributed.launch import build_replica_set
+        from pagedserve.dtypes import torch_device
         from pagedserve.models.source import resolve_model_source
 
         # N replicas on Ray: the same handlers, a router in place of the engine thread.
         # Each replica's config is one engine's; the ingress reads only its model source.
         config = engine_args.replace(data_parallel_size=1, distributed_executor_backend=None).create_engine_config()
         engine = serving_engine = build_replica_set(args, engine_args, metrics)
-        sampling_defaults = dict(resolve_model_source(config.model, config.torch_device()).sampling_defaults)
+        sampling_defaults = dict(resolve_model_source(config.model, torch_device(config.device)).sampling_defaults)
     else:
         local = LLMEngine(engine_args.create_engine_config())
         engine = local

@@ -10,7 +10,7 @@ back, so a step whose tokens are later rejected (speculative decoding) can be un
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -61,16 +61,3 @@ def choice_grammar(choices: list[str]) -> str:
 def is_gbnf(grammar: str) -> bool:
     """GBNF / EBNF (llama.cpp, xgrammar) writes rules as `name ::= ...`; Lark as `name: ...`."""
     return "::=" in grammar
-
-
-def load_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> GrammarBackend:
-    """The backend called `name` ("llguidance" or "xgrammar") for this tokenizer."""
-    if name == "llguidance":
-        from pagedserve.structured_outputs.llguidance_backend import LLGuidanceBackend
-
-        return LLGuidanceBackend(tokenizer, vocab_size, eos_token_id)
-    if name == "xgrammar":
-        from pagedserve.structured_outputs.xgrammar_backend import XGrammarBackend
-
-        return XGrammarBackend(tokenizer, vocab_size, eos_token_id)
-    raise ValueError(f"structured outputs backend must be 'llguidance' or 'xgrammar', got {name!r}")

@@ -33,8 +33,8 @@ from pagedserve.structured_outputs.backend import (
     GrammarBackend,
     GrammarError,
     GrammarMatcher,
-    load_backend,
 )
+from pagedserve.structured_outputs.selector import load_backend
 
 logger = logging.getLogger(__name__)
 

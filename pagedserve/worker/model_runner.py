@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedserve import envs
-from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
+from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
 from pagedserve.attention.metadata import CommonAttentionMetadata
+from pagedserve.attention.selector import get_attention_backend
 from pagedserve.compilation.config import CompilationConfig
 from pagedserve.compilation.decode import CompiledDecode, build_compiled_decode
 from pagedserve.core.sched_output import SchedulerOutput

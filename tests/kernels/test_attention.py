@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pagedserve.attention.backend import AttentionBackend, get_attention_backend
+from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import CommonAttentionMetadata
+from pagedserve.attention.selector import get_attention_backend
 from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from pagedserve.attention import cpp_paged
-from pagedserve.attention.backend import AttentionBackend, get_attention_backend
+from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import CommonAttentionMetadata
+from pagedserve.attention.selector import get_attention_backend
 from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
 from pagedserve.cpp_build import PAGED_ATTENTION, KernelUnavailable, load_isa
 

@@ -26,6 +26,7 @@ from pagedserve.quantization.int8_grouped import (
     dequantize_int8_grouped,
     quantize_int8_grouped,
 )
+from pagedserve.quantization.selector import get_linear_method
 
 pytestmark = pytest.mark.skipif(gemv.gemv_ops() is None, reason="GEMV kernel unavailable (no AVX2/FMA or no compiler)")
 
@@ -142,9 +143,9 @@ def test_method_with_int8_activations(rows: int) -> None:
 
 
 def test_config_activations_setting() -> None:
-    assert QuantizationConfig("int8").linear_method().activations == DEFAULT_INT8_ACTIVATIONS
-    assert QuantizationConfig("int8", activations="int8").linear_method().activations == "int8"
-    assert QuantizationConfig("int8", activations="none").linear_method().activations == "none"
+    assert get_linear_method(QuantizationConfig("int8")).activations == DEFAULT_INT8_ACTIVATIONS
+    assert get_linear_method(QuantizationConfig("int8", activations="int8")).activations == "int8"
+    assert get_linear_method(QuantizationConfig("int8", activations="none")).activations == "none"
     with pytest.raises(ValueError, match="group-wise quantization='int8' only"):
         QuantizationConfig("int4", activations="int8")
     with pytest.raises(ValueError, match="quantization_activations must be one of"):
