@@ -11,6 +11,7 @@ checked with jsonschema; errors by the client's own exception classes.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -230,3 +231,30 @@ def test_thinking_block(server: LiveServer, client: anthropic.Anthropic) -> None
             assert msg.content[0].thinking == plain and msg.stop_reason == "max_tokens"
         assert set(deltas) == {"thinking_delta"}
         _no_leak(live)
+
+
+def _aborts(server: LiveServer) -> float:
+    text = httpx.get(server.base_url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_leaving_aborts_the_request(server: LiveServer, stream: bool) -> None:
+    """A client that leaves mid-generation (streamed or not) aborts its engine request."""
+    before = _aborts(server)
+    body = {"model": TEST_MODEL, "max_tokens": 1900, "stream": stream, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "Write a long story"}]}
+    with httpx.Client(timeout=httpx.Timeout(30, read=None if stream else 0.5)) as http:
+        if stream:
+            with http.stream("POST", server.v1 + "/messages", json=body) as resp:
+                lines = resp.iter_lines()
+                assert next(line for line in lines if "content_block_delta" in line)
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(server.v1 + "/messages", json=body)
+    deadline = time.monotonic() + 5
+    while _aborts(server) <= before:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.02)
+    _no_leak(server)

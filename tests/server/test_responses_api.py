@@ -11,6 +11,7 @@ schema or a forced tool call are checked with jsonschema.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -218,3 +219,30 @@ def test_reasoning_item(server: LiveServer, client: openai.OpenAI) -> None:
             assert resp.usage.output_tokens_details.reasoning_tokens == 6
         assert "response.reasoning_text.delta" in kinds and "response.reasoning_text.done" in kinds
         _no_leak(live)
+
+
+def _aborts(server: LiveServer) -> float:
+    text = httpx.get(server.base_url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_leaving_aborts_the_request(server: LiveServer, stream: bool) -> None:
+    """A client that leaves mid-generation (streamed or not) aborts its engine request."""
+    before = _aborts(server)
+    body = {"model": TEST_MODEL, "max_output_tokens": 1900, "stream": stream, "temperature": 0.0,
+            "input": "Write a long story", "store": False}
+    with httpx.Client(timeout=httpx.Timeout(30, read=None if stream else 0.5)) as http:
+        if stream:
+            with http.stream("POST", server.v1 + "/responses", json=body) as resp:
+                lines = resp.iter_lines()
+                assert next(line for line in lines if "response.output_text.delta" in line)
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(server.v1 + "/responses", json=body)
+    deadline = time.monotonic() + 5
+    while _aborts(server) <= before:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.02)
+    _no_leak(server)
