@@ -1,0 +1,122 @@
+"""Qwen3-MoE against a dense Qwen3 with the same active parameters: output tokens per second.
+
+    python benchmarks/moe_vs_dense.py            # ~2 min on 2 cores
+    python benchmarks/moe_vs_dense.py --quick    # smoke run (fewer tokens, one run)
+
+The MoE model is Qwen3-30B-A3B's shape scaled down to a 2-core CPU: hidden 512, 8 layers,
+64 experts of width 128, top-8 (30B-A3B: hidden 2048, 48 layers, 128 experts of 768, top-8).
+The dense model is the same Qwen3 with one MLP of width top_k * moe_intermediate (1024), so
+each token multiplies by the same number of weights; the MoE model also computes its router
+(64 x 512 per layer). Both random, served by the engine from HF folders, greedy decoding
+with ignore_eos; output tok/s = batch * output tokens / wall time of the whole generate
+(prefill of a 32-token prompt included), best of --runs, the two engines taking turns.
+
+What bounds the ratio: a decode step reads every expert some token of the batch routed to.
+At batch 1 that is 8 experts a layer, as many weights as the dense MLP; at batch 16, with
+roughly uniform routing, 64 * (1 - (1 - 8/64)^16) ~ 56 experts a layer, ~7x the dense
+MLP's bytes. The table gives that expected expert count beside the times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.bench.common import md_table, torch_threads
+
+SHAPE: dict[str, Any] = dict(
+    vocab_size=16384, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+NUM_EXPERTS, TOP_K, MOE_WIDTH = 64, 8, 128
+PROMPT_LEN = 32
+
+
+def configs() -> dict[str, PretrainedConfig]:
+    return {
+        "moe": Qwen3MoeConfig(**SHAPE, num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K,
+                              moe_intermediate_size=MOE_WIDTH, norm_topk_prob=True),
+        "dense": Qwen3Config(**SHAPE, intermediate_size=TOP_K * MOE_WIDTH),
+    }
+
+
+def save_random(config: PretrainedConfig, path: Path, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(path)
+
+
+def expected_experts(batch: int) -> float:
+    """Distinct experts a layer reads in a decode step, routing uniform and independent."""
+    return NUM_EXPERTS * (1 - (1 - TOP_K / NUM_EXPERTS) ** batch)
+
+
+def workload(batch: int, output_len: int) -> tuple[list[dict], SamplingParams]:
+    g = torch.Generator().manual_seed(batch)
+    prompts = [{"prompt_token_ids": torch.randint(3, SHAPE["vocab_size"], (PROMPT_LEN,), generator=g).tolist()}
+               for _ in range(batch)]
+    return prompts, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+
+def timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> float:
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outputs)
+    return elapsed
+
+
+def compare(llms: dict[str, LLM], batch: int, output_len: int, runs: int) -> dict[str, float]:
+    """Output tok/s of each engine, best of `runs`; the engines take turns, so on a shared
+    machine a burst of someone else's load hits both rather than one."""
+    prompts, params = workload(batch, output_len)
+    best = {name: float("inf") for name in llms}
+    for llm in llms.values():  # warm-up
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+    for _ in range(runs):
+        for name, llm in llms.items():
+            best[name] = min(best[name], timed(llm, prompts, params))
+    for llm in llms.values():
+        llm.llm_engine.assert_no_leaks()
+    return {name: batch * output_len / seconds for name, seconds in best.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: the machine is shared)")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.output_len, args.runs = 16, 1
+    batches = [int(b) for b in args.batches.split(",")]
+    dtype = getattr(torch, args.dtype)
+    with tempfile.TemporaryDirectory() as tmp, torch_threads(args.threads):
+        llms = {}
+        for name, config in configs().items():
+            path = Path(tmp) / name
+            save_random(config, path, dtype)
+            llms[name] = LLM(str(path), dtype=args.dtype, max_model_len=512, max_num_seqs=max(batches),
+                             kv_cache_memory_bytes=64 << 20, skip_tokenizer_init=True)
+        by_batch = {b: compare(llms, b, args.output_len, args.runs) for b in batches}
+    results = {name: {b: by_batch[b][name] for b in batches} for name in llms}
+    rows = [[b, results["moe"][b], results["dense"][b], results["moe"][b] / results["dense"][b],
+             expected_experts(b)] for b in batches]
+    print(f"{args.dtype}, {args.threads} thread(s), prompt {PROMPT_LEN}, {args.output_len} output tokens, "
+          f"best of {args.runs}")
+    print(md_table(["batch", "MoE tok/s", "dense tok/s", "MoE / dense", "experts read / layer"], rows))
+
+
+if __name__ == "__main__":
+    main()
