@@ -162,3 +162,30 @@ def test_live_template_kwargs_and_effort(server: LiveServer, tokenizer) -> None:
     assert reply.usage is not None and reply.usage.completion_tokens_details is not None
     assert reply.usage.completion_tokens_details.reasoning_tokens == 0
     _no_leak(server)
+
+
+def test_tool_calls_are_read_after_the_reasoning_only() -> None:
+    """A call the model mulls over while thinking is not a call; the one after it is."""
+    from pagedserve.server.chat_output import OutputParsing
+    from pagedserve.server.tool_calls import ToolMode
+    from pagedserve.tool_parsers import get_tool_parser
+
+    output = ('<think>Maybe <tool_call>{"name": "wrong", "arguments": {}}</tool_call>? No.</think>\n\n'
+              'Calling. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>')
+    parsing = OutputParsing(ToolMode("auto", "auto", parser=get_tool_parser("hermes")),
+                            get_reasoning_parser("qwen3"), "<|im_start|>assistant\n")
+    whole = parsing.parse([output], [1])
+    assert whole.reasoning == 'Maybe <tool_call>{"name": "wrong", "arguments": {}}</tool_call>? No.'
+    assert whole.content == "Calling."
+    assert [(c.name, c.arguments) for c in whole.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    stream = parsing.stream()
+    reasoning, content, names, arguments = "", "", [], ""
+    for i, char in enumerate(output):
+        delta = stream.feed(char, 1, i == len(output) - 1)
+        reasoning += delta.reasoning or ""
+        content += delta.content or ""
+        names += [c.name for c in delta.tool_calls if c.name]
+        arguments += "".join(c.arguments or "" for c in delta.tool_calls)
+    assert (reasoning, content.strip(), names, arguments) == (whole.reasoning, "Calling.", ["get_weather"],
+                                                              '{"city": "Paris"}')
+    assert stream.num_calls == 1 and stream.reasoning_tokens == output.index("</think>") + len("</think>")
