@@ -20,7 +20,8 @@ SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
 # Cited in BENCHMARKS.md as the source of a setting, in S-LoRA's repository, not ours.
 EXTERNAL = {"exp_suite.py"}
 # Imported inside a function on purpose: an optional extra (httpx), not a cycle.
-LAZY_FOR_EXTRAS = {("pagedserve.bench.http", "pagedserve.bench.loadgen")}
+LAZY_FOR_EXTRAS = {("pagedserve.bench.http", "pagedserve.bench.loadgen"),
+                   ("pagedserve.bench.peer", "pagedserve.bench.loadgen")}
 
 
 def _tree(path: Path) -> ast.Module:

@@ -11,7 +11,9 @@ Parts (each a list of cells per model, `cells.py` saves each as it finishes):
     memory    a ShareGPT-like trace in a bounded KV pool: bytes per token and the share of
               the pool holding live token states (the vLLM paper's waste breakdown)
     lora      K random adapters (PEFT layout) of rank r over the same requests, and the base
-    peer      llama.cpp on the same cells: not run here (no peer server given), said so
+    peer      with --peer-server-cmd: pagedserve's server and the peer (llama.cpp) on the
+              latency cells' requests and rates over HTTP (bench/peer.py); else a cell saying
+              the peer was not available
 
 Engines are built per distinct configuration and reused by consecutive cells (loading a
 real model costs more than most cells). `study_report.py` turns the cells into the report.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import shlex
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ from pagedserve.bench.common import (
 )
 from pagedserve.bench.lora import build_adapters
 from pagedserve.bench.online import MIN_FIT_STEPS
+from pagedserve.bench.peer import PAGEDSERVE_SERVER_CMD, Server, serve_trace
 from pagedserve.bench.sim import run_simulated, summarize
 from pagedserve.bench.study_report import describe_run, write_study_report
 from pagedserve.bench.workloads import (
@@ -50,8 +54,9 @@ from pagedserve.bench.workloads import (
 PARTS = ("info", "latency", "batch", "context", "quant", "memory", "lora", "peer")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MIXED_RANKS = [8, 16, 64]
-PEER_MISSING = ("llama.cpp peer not available: no llama.cpp server was given to run on the same cells "
-                "(issue #39.3; build one in a scratch folder, it is never a project dependency)")
+PEER_MISSING = ("llama.cpp peer not available: no --peer-server-cmd given (issue #39.3; build llama.cpp's "
+                "llama-server in a scratch folder, it is never a project dependency)")
+SERVERS = ("pagedserve", "llama.cpp")
 
 
 @dataclass(frozen=True)
@@ -76,11 +81,12 @@ class StudySettings:
     max_loras: int = 16  # adapters resident at once; more are evicted and reloaded
     repeats: int = 2  # offline cells: fastest of this many runs (other load only adds time)
     seed: int = 0
+    peer_server_cmd: str | None = None  # e.g. "llama-server -m {model} --port {port}"
 
     def fingerprint(self) -> dict[str, Any]:
         """What a saved cell's numbers depend on beyond its own key: every setting but the
         lists of cells (adding a rate or a batch size keeps the cells already measured)."""
-        lists = {"parts", *_LIST_FLAGS}
+        lists = {"parts", "peer_server_cmd", *_LIST_FLAGS}
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in lists}
 
 
@@ -107,6 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            f"{','.join(map(str, getattr(StudySettings(), flag)))}; --quick: fewer)")
     group.add_argument("--num-requests", type=int, default=None, help="requests per latency, memory and LoRA cell")
     group.add_argument("--retry-errors", action="store_true", help="rerun cells saved with an error")
+    group.add_argument("--peer-server-cmd", default=None,
+                       help="the peer's server command, with {model} (the model file) and {port}, e.g. "
+                            "\"llama-server -m {model} --port {port}\": adds HTTP cells of it and of "
+                            "`pagedserve serve` at the latency cells' rates (a changed command: delete cells/*/peer)")
 
 
 def settings_from_args(args: argparse.Namespace, parts: list[str] | None) -> StudySettings:
@@ -115,6 +125,8 @@ def settings_from_args(args: argparse.Namespace, parts: list[str] | None) -> Stu
                                if (v := getattr(args, f, None)) is not None}
     if args.num_requests is not None:
         changes["num_requests"] = args.num_requests
+    if getattr(args, "peer_server_cmd", None):
+        changes["peer_server_cmd"] = args.peer_server_cmd
     if parts is not None:
         unknown = set(parts) - set(PARTS)
         if unknown:
@@ -153,10 +165,10 @@ def study_command(args: argparse.Namespace) -> str:
     """The command line that reproduces this study (the flags given, not their defaults)."""
     words = ["pagedserve bench report", "--models", args.models, "--out", args.out_dir]
     words += ["--quick"] if args.quick else []
-    for flag in [*_LIST_FLAGS, "num_requests", "parts"]:
+    for flag in [*_LIST_FLAGS, "num_requests", "parts", "peer_server_cmd"]:
         value = getattr(args, flag, None)
         if value is not None:
-            words += ["--" + flag.replace("_", "-"), str(value)]
+            words += ["--" + flag.replace("_", "-"), shlex.quote(str(value))]
     return " ".join(words)
 
 
@@ -180,7 +192,9 @@ def plan(models: list[str], s: StudySettings) -> list[Cell]:
             "lora": [Cell(m, "lora", "base", {"count": 0, "rank": "-"}, s.num_requests * 100.0)]
             + [Cell(m, "lora", f"n={k},r={r}", {"count": k, "rank": r}, s.num_requests * 100.0 + k)
                for r in s.lora_ranks for k in s.lora_counts],
-            "peer": [Cell(m, "peer", "llama.cpp", cost=0)],
+            "peer": [Cell(m, "peer", f"{server} rate={f:g}", {"server": server, "fraction": f}, lat)
+                     for server in SERVERS for f in s.rate_fractions] if s.peer_server_cmd
+            else [Cell(m, "peer", "llama.cpp", {"server": "llama.cpp"}, cost=0)],
         }
         for part in s.parts:
             cells += by_part[part]
@@ -194,19 +208,24 @@ class StudyRunner:
         self.store, self.s = store, settings
         self._spec: EngineSpec | None = None
         self._engine: Any = None
+        self._server: tuple[tuple[str, str], Server] | None = None
         self._paths: dict[str, str] = {}
 
     def measure(self, cell: Cell) -> dict[str, Any]:
-        if cell.part == "peer":
+        if cell.part == "peer" and not self.s.peer_server_cmd:
             return {"available": False, "reason": PEER_MISSING}
         if cell.part == "info":
             return self._info(cell.model)
         measures = {"latency": self._latency, "batch": self._batch, "context": self._context,
-                    "quant": self._quant, "memory": self._memory, "lora": self._lora}
+                    "quant": self._quant, "memory": self._memory, "lora": self._lora, "peer": self._peer}
         return measures[cell.part](cell, self._saved_info(cell.model))
 
     def close(self) -> None:
+        """Drops the engine and stops the server, whichever is held."""
         self._engine = self._spec = None
+        if self._server is not None:
+            self._server[1].close()
+            self._server = None
         gc.collect()
 
     # ---- engines -------------------------------------------------------------------------
@@ -223,6 +242,15 @@ class StudyRunner:
             warm_up(engine)
             self._engine, self._spec = engine, spec
         return self._engine
+
+    def server(self, name: str, model_path: str) -> Server:
+        """`name`'s server on `model_path`, started unless it is the one running."""
+        key = (name, model_path)
+        if self._server is None or self._server[0] != key:
+            self.close()
+            command = PAGEDSERVE_SERVER_CMD if name == "pagedserve" else str(self.s.peer_server_cmd)
+            self._server = (key, Server(command, model_path))
+        return self._server[1]
 
     def _saved_info(self, model: str) -> dict[str, Any]:
         record = self.store.load(Cell(model, "info", "model"))
@@ -275,6 +303,19 @@ class StudyRunner:
         requests = synthetic(self.s.workload, self.s.num_requests, info["vocab_size"], self.s.seed)
         return spec, fit_to_context(requests, spec.max_model_len)
 
+    def _capacity(self, model: str) -> dict[str, Any]:
+        record = self.store.load(Cell(model, "latency", "capacity"))
+        if record is None or "error" in record["result"]:
+            raise RuntimeError("no capacity cell for this model (the latency part): no rates to run")
+        return dict(record["result"])
+
+    def _peer(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
+        server, fraction = cell.params["server"], cell.params["fraction"]
+        _, requests = self._latency_requests(info)
+        rate = fraction * self._capacity(cell.model)["capacity_req_s"]
+        summary = serve_trace(self.server(server, str(info["path"])).base_url, requests, rate, self.s.seed)
+        return {"server": server, "rate_fraction": fraction, "request_rate": rate, "clock": "wall (HTTP)", **summary}
+
     def _latency(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
         spec, requests = self._latency_requests(info)
         if cell.key == "capacity":
@@ -285,10 +326,7 @@ class StudyRunner:
             capacity = len(requests) / (modelled_makespan(run, model) if model else run.makespan_s)
             return {"capacity_req_s": capacity, "step_model": model.as_dict() if model else None,
                     "clock": "fitted" if model else "measured", **summarize(run)}
-        capacity_cell = self.store.load(Cell(cell.model, "latency", "capacity"))
-        if capacity_cell is None or "error" in capacity_cell["result"]:
-            raise RuntimeError("the capacity cell of this model failed; no rates to run")
-        cap = capacity_cell["result"]
+        cap = self._capacity(cell.model)
         step_model = _step_model(cap["step_model"]) if cap["step_model"] else None
         rate = cell.params["fraction"] * cap["capacity_req_s"]
         arrivals = arrival_times(len(requests), rate, seed=self.s.seed)

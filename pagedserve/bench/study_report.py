@@ -44,7 +44,11 @@ SECTIONS = {  # part -> (title, plot file or "", how to read it)
     "lora": ("Multi-LoRA: adapter count and rank", "lora.png",
              "The same requests spread over K random adapters (PEFT layout, q/k/v/o) of rank r; request i "
              "uses adapter i % K, at most 16 resident at once (more are evicted and reloaded)."),
-    "peer": ("Peer: llama.cpp on the same cells", "", "Where the llama.cpp column would come from."),
+    "peer": ("Beside a peer: pagedserve and llama.cpp over HTTP", "peer.png",
+             "`pagedserve serve` and the peer server (--peer-server-cmd: llama.cpp's llama-server on the same "
+             "file) get the latency cells' requests at the same Poisson rates through the same streaming HTTP "
+             "client (bench/loadgen.py), on the wall clock: p50 solid, p99 dashed, one colour per model and "
+             "server. Without --peer-server-cmd the section says why there is no peer."),
 }
 
 
@@ -101,7 +105,7 @@ def _ok(result: dict[str, Any]) -> bool:
 
 
 def _not_run(result: dict[str, Any]) -> str:
-    return str(result.get("error") or result.get("skipped") or "")
+    return str(result.get("error") or result.get("skipped") or result.get("reason") or "")
 
 
 # ---- tables -------------------------------------------------------------------------------
@@ -131,10 +135,24 @@ def _latency_table(rows: list[tuple[Cell, dict]]) -> str:
     def values(r: dict) -> list:
         rate = r.get("request_rate", r.get("capacity_req_s"))
         return [rate, r["ttft_ms"]["median"], r["ttft_ms"]["p99"], r["tpot_ms"]["median"], r["tpot_ms"]["p99"],
-                r["e2e_ms"]["median"] / 1000, r["e2e_ms"]["p99"] / 1000, r["output_throughput"], "not available"]
+                r["e2e_ms"]["median"] / 1000, r["e2e_ms"]["p99"] / 1000, r["output_throughput"]]
 
-    return _table(["model", "load", "rate (req/s)", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)",
-                   "TPOT p99 (ms)", "E2E p50 (s)", "E2E p99 (s)", "output tok/s", "llama.cpp"], rows, load, values)
+    return _table(["model", "load", *LATENCY_HEADERS], rows, load, values)
+
+
+LATENCY_HEADERS = ["rate (req/s)", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)", "TPOT p99 (ms)",
+                   "E2E p50 (s)", "E2E p99 (s)", "output tok/s"]
+
+
+def _peer_table(rows: list[tuple[Cell, dict]]) -> str:
+    def lead(c: Cell, r: dict) -> list:
+        return [c.model, c.params["server"], f"{c.params['fraction']:g} x C" if "fraction" in c.params else "-"]
+
+    def values(r: dict) -> list:
+        return [r["request_rate"], r["ttft_ms"]["median"], r["ttft_ms"]["p99"], r["tpot_ms"]["median"],
+                r["tpot_ms"]["p99"], r["e2e_ms"]["median"] / 1000, r["e2e_ms"]["p99"] / 1000, r["output_throughput"]]
+
+    return _table(["model", "server", "load", *LATENCY_HEADERS], rows, lead, values)
 
 
 def _simple(headers: list[str], key: Callable[[Cell, dict], list], values: Callable[[dict], list]) -> Callable:
@@ -166,21 +184,20 @@ TABLES: dict[str, Callable[[list[tuple[Cell, dict]]], str]] = {
                     lambda c, r: [c.model, c.params["count"] or "base (LoRA off)", c.params["rank"]],
                     lambda r: [r["output_throughput"], r["ttft_ms"]["median"], r["tpot_ms"]["median"],
                                f"{r['disk_loads']} / {r['device_loads']}"]),
-    "peer": lambda rows: md_table(["model", "llama.cpp", "why"],
-                                  [[c.model, "yes" if r.get("available") else "no", r.get("reason", "")]
-                                   for c, r in rows]),
+    "peer": _peer_table,
 }
 
 
 # ---- plots: one line per model -------------------------------------------------------------
 
 
-def _by_model(rows: list[tuple[Cell, dict]], x: Callable[[Cell, dict], Any],
-              y: Callable[[dict], float]) -> dict[str, tuple[list, list]]:
+def _by_model(rows: list[tuple[Cell, dict]], x: Callable[[Cell, dict], Any], y: Callable[[dict], float],
+              label: Callable[[Cell], str] = lambda c: c.model) -> dict[str, tuple[list, list]]:
+    """label (default: the model) -> (xs, ys) of the cells that have numbers, in cell order."""
     series: dict[str, tuple[list, list]] = {}
     for cell, r in rows:
         if _ok(r):
-            xs, ys = series.setdefault(cell.model, ([], []))
+            xs, ys = series.setdefault(label(cell), ([], []))
             xs.append(x(cell, r))
             ys.append(y(r))
     return series
@@ -200,7 +217,8 @@ def _line_panels(rows: list[tuple[Cell, dict]], path: Path, xlabel: str, x: Call
     return save_figure(fig, path.parent, path.name)
 
 
-def _plot_latency(rows: list[tuple[Cell, dict]], path: Path) -> Path:
+def _plot_latency(rows: list[tuple[Cell, dict]], path: Path,
+                  label: Callable[[Cell], str] = lambda c: c.model) -> Path:
     plt = pyplot()
     rated = [(c, r) for c, r in rows if c.key != "capacity"]
     metrics = [("ttft_ms", "TTFT (ms)", 1.0), ("tpot_ms", "TPOT (ms)", 1.0), ("e2e_ms", "E2E latency (s)", 1e-3)]
@@ -208,7 +226,8 @@ def _plot_latency(rows: list[tuple[Cell, dict]], path: Path) -> Path:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, ylabel, scale) in zip(axes, metrics, strict=True):
         for pct, style in (("median", "-"), ("p99", "--")):
-            series = _by_model(rated, lambda c, r: r["request_rate"], partial(_percentile, key=key, pct=pct, scale=scale))
+            series = _by_model(rated, lambda c, r: r["request_rate"], partial(_percentile, key=key, pct=pct, scale=scale),
+                               label)
             for i, (model, (xs, ys)) in enumerate(series.items()):
                 ax.plot(xs, ys, style, marker="o", color=colors[i % len(colors)],
                         label=f"{model} {'p50' if pct == 'median' else 'p99'}")
@@ -274,4 +293,5 @@ PLOTS: dict[str, Callable[[list[tuple[Cell, dict]], Path], Path]] = {
         rows, path, [("KV bytes per token", lambda r: r["kv_bytes_per_token"]),
                      ("live token states (% of KV in use)", lambda r: 100 * r["memory"]["shares"]["token_states"])]),
     "lora": _plot_lora,
+    "peer": lambda rows, path: _plot_latency(rows, path, lambda c: f"{c.model}, {c.params['server']}"),
 }

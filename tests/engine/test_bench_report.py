@@ -19,7 +19,7 @@ ARGS = ["report", "--models", ",".join(MODELS), "--quick", "--no-progress", "--n
 TABLE_HEADERS = {"info": "| model | weights |", "latency": "| model | load |", "batch": "| model | batch |",
                  "context": "| model | prompt tokens |", "quant": "| model | weights | output tok/s |",
                  "memory": "| model | KV bytes / token |", "lora": "| model | adapters | rank |",
-                 "peer": "| model | llama.cpp |"}
+                 "peer": "| model | server | load |"}
 PLOTS = ["latency.png", "batch.png", "context.png", "quant.png", "memory.png", "lora.png"]
 
 
@@ -94,3 +94,26 @@ def test_a_cell_saved_under_other_settings_is_measured_again(tmp_path):
     CellStore(tmp_path, {"num_requests": 6}).save(cell, {"output_throughput": 1.0}, 0.1)
     assert CellStore(tmp_path, {"num_requests": 6}).load(cell)["result"] == {"output_throughput": 1.0}
     assert CellStore(tmp_path, {"num_requests": 8}).load(cell) is None
+
+
+@pytest.mark.slow
+def test_peer_cells_serve_the_latency_trace_over_http(tmp_path):
+    """--peer-server-cmd, with `pagedserve serve` standing in for llama.cpp's server: both
+    servers get the latency cells' requests at the same rates over HTTP."""
+    from pagedserve.bench.peer import PAGEDSERVE_SERVER_CMD
+
+    args = parse_bench_args(["report", "--models", "llama-gqa", "--quick", "--no-progress", "--num-requests", "4",
+                             "--rate-fractions", "0.5", "--parts", "latency,peer", "--out", str(tmp_path),
+                             "--peer-server-cmd", PAGEDSERVE_SERVER_CMD])
+    assert run_bench(args) == 0
+    store = _store(tmp_path, args)
+    latency = store.load(Cell("llama-gqa", "latency", "rate=0.5"))["result"]
+    served = [store.load(Cell("llama-gqa", "peer", f"{server} rate=0.5"))["result"]
+              for server in ("pagedserve", "llama.cpp")]
+    for r in served:
+        assert r["completed"] == 4 and r["failed"] == 0
+        assert r["request_rate"] == pytest.approx(latency["request_rate"])
+        assert 0 < r["ttft_ms"]["median"] <= r["e2e_ms"]["median"]
+    assert served[0]["total_output_tokens"] == served[1]["total_output_tokens"] > 4, "the same requests"
+    assert (tmp_path / "peer.png").stat().st_size > 1000
+    assert "| llama-gqa | llama.cpp | 0.5 x C |" in (tmp_path / "report.md").read_text()
