@@ -100,6 +100,13 @@ def _streamed(model: type, chunk: type) -> dict[int | str, dict[str, Any]]:
                   "content": {"text/event-stream": sse}}}
 
 
+def _events(names: str) -> dict[int | str, dict[str, Any]]:
+    """A route answering a JSON object, or with stream=true named SSE events (no [DONE])."""
+    sse = {"schema": {"type": "string", "description": f"server-sent events `event: <type>` / `data: <json>`: {names}"}}
+    return {200: {"description": "The result, or an SSE stream with stream=true",
+                  "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": sse}}}
+
+
 def get_ctx(request: Request) -> ServerContext:
     return request.app.state.ctx
 
@@ -172,7 +179,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await create_chat_completion(checked_ctx(request, body), body, request)
 
 
-@v1.post("/responses", responses={**_streamed(dict, dict), **GENERATE_ERRORS})
+@v1.post("/responses", responses={**_events("response.*"), **GENERATE_ERRORS})
 async def responses(body: ResponsesRequest, request: Request) -> Response:
     """OpenAI's Responses API (serving_responses.py), served by the chat pipeline."""
     return await create_response(checked_ctx(request, body), request.app.state.response_store, body, request)
@@ -188,7 +195,7 @@ anthropic = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)], route
 ANTHROPIC_ERRORS = {status: {**spec, "model": AnthropicErrorResponse} for status, spec in GENERATE_ERRORS.items()}
 
 
-@anthropic.post("/messages", responses={**_streamed(dict, dict), **ANTHROPIC_ERRORS})
+@anthropic.post("/messages", responses={**_events("message_start ... message_stop"), **ANTHROPIC_ERRORS})
 async def messages(body: MessagesRequest, request: Request) -> Response:
     """Anthropic's Messages API (serving_messages.py), served by the chat pipeline."""
     return await create_message(checked_ctx(request, body), body, request)
