@@ -138,6 +138,10 @@ def test_stop_sequences(server: LiveServer, client: anthropic.Anthropic) -> None
     msg = client.messages.create(stop_sequences=["never-there", stop], **kwargs)
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
     assert msg.content[0].text == text[: text.index(stop)]
+    with client.messages.stream(stop_sequences=["never-there", stop], **kwargs) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+    assert final.content[0].text == msg.content[0].text
     _no_leak(server)
 
 

@@ -19,6 +19,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 from transformers import AutoTokenizer
 
 from pagedserve.entrypoints.chat_utils import builtin_template_path
@@ -119,6 +120,23 @@ def test_text_format_json_schema(server: LiveServer, client: openai.OpenAI) -> N
                                                                  "strict": True}})
     jsonschema.validate(json.loads(resp.output_text), SCHEMA)
     assert resp.text.format.type == "json_schema"
+    _no_leak(server)
+
+
+class Tagged(BaseModel):
+    id: int = Field(ge=0, le=99)
+    tag: str = Field(max_length=5)
+
+
+def test_parse_with_text_format_model(server: LiveServer, client: openai.OpenAI) -> None:
+    """The client's own structured-output helpers: text_format from a pydantic model, whole and streamed."""
+    whole = client.responses.parse(model=TEST_MODEL, input="An id and a tag", text_format=Tagged,
+                                   max_output_tokens=60, temperature=1.0, store=False)
+    assert isinstance(whole.output_parsed, Tagged)
+    with client.responses.stream(model=TEST_MODEL, input="An id and a tag", text_format=Tagged,
+                                 max_output_tokens=60, temperature=1.0, store=False) as stream:
+        final = stream.get_final_response()
+    assert isinstance(final.output_parsed, Tagged)
     _no_leak(server)
 
 
