@@ -17,6 +17,8 @@ Parts (each a list of cells per model, `cells.py` saves each as it finishes):
 
 Engines are built per distinct configuration and reused by consecutive cells (loading a
 real model costs more than most cells). `study_report.py` turns the cells into the report.
+--parts limits both the cells run and the sections written; a rerun without it measures
+nothing already on disk and writes every section again.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ MIXED_RANKS = [8, 16, 64]
 PEER_MISSING = ("llama.cpp peer not available: no --peer-server-cmd given (issue #39.3; build llama.cpp's "
                 "llama-server in a scratch folder, it is never a project dependency)")
 SERVERS = ("pagedserve", "llama.cpp")
+# The parts a part's cells read (besides info): the rates come from the latency part's capacity.
+PART_NEEDS = {"info": ("info",), "peer": ("latency", "peer")}
 
 
 @dataclass(frozen=True)
@@ -155,18 +159,20 @@ def run_study(args: argparse.Namespace) -> int:
             finally:
                 runner.close()
         print(f"[study] {ran} cells run, {len(cells) - ran} already on disk")
-    path = write_study_report(out, models, records, settings.parts, study_command(args), describe_run())
+    commands = {part: study_command(args, PART_NEEDS.get(part, (part,))) for part in settings.parts}
+    path = write_study_report(out, models, records, settings.parts, study_command(args), commands, describe_run())
     failed = [c.name for c, r in records.items() if "error" in r["result"]]
     print(f"[study] wrote {path}" + (f"; cells with errors: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 
-def study_command(args: argparse.Namespace) -> str:
-    """The command line that reproduces this study (the flags given, not their defaults)."""
+def study_command(args: argparse.Namespace, parts: tuple[str, ...] | None = None) -> str:
+    """The command line that reproduces this study (the flags given, not their defaults), or
+    only `parts` of it."""
     words = ["pagedserve bench report", "--models", args.models, "--out", args.out_dir]
     words += ["--quick"] if args.quick else []
     for flag in [*_LIST_FLAGS, "num_requests", "parts", "peer_server_cmd"]:
-        value = getattr(args, flag, None)
+        value = ",".join(parts) if flag == "parts" and parts else getattr(args, flag, None)
         if value is not None:
             words += ["--" + flag.replace("_", "-"), shlex.quote(str(value))]
     return " ".join(words)

@@ -73,8 +73,9 @@ def describe_run() -> dict[str, str]:
 
 
 def write_study_report(out_dir: Path, models: list[str], records: Records, parts: tuple[str, ...],
-                       command: str, run: dict[str, str]) -> Path:
-    """report.md, a PNG per part and study.json (every record) in `out_dir`; returns report.md."""
+                       command: str, part_commands: dict[str, str], run: dict[str, str]) -> Path:
+    """report.md, a PNG per part and study.json (every record) in `out_dir`; returns report.md.
+    `part_commands[part]` is the command that measures that part alone."""
     total = sum(r["seconds"] for r in records.values())
     lines = ["# pagedserve across models", "",
              f"- CPU: {run['cpu']}", f"- Date: {run['date']}", f"- Commit: {run['commit']}",
@@ -84,7 +85,7 @@ def write_study_report(out_dir: Path, models: list[str], records: Records, parts
     for part in parts:
         title, figure, how = SECTIONS[part]
         rows = [(c, r["result"]) for c, r in records.items() if c.part == part]
-        lines += [f"## {title}", "", how, "", f"Command: `{_part_command(command, part)}`", ""]
+        lines += [f"## {title}", "", how, "", f"Command: `{part_commands[part]}`", ""]
         if figure and any(_ok(r) for _, r in rows):
             PLOTS[part](rows, out_dir / figure)
             lines += [f"![{part}]({figure})", ""]
@@ -94,10 +95,6 @@ def write_study_report(out_dir: Path, models: list[str], records: Records, parts
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
-
-
-def _part_command(command: str, part: str) -> str:
-    return f"{command} --parts {part}" if part != "info" else command
 
 
 def _ok(result: dict[str, Any]) -> bool:
