@@ -11,7 +11,8 @@ class. Oracles:
   * a GGUF file the test writes as llama.cpp stores qwen3moe (stacked ffn_*_exps) vs
     transformers on the HF folder;
   * int8 / int4 experts (per expert): transformers on the weights the quantized layers use.
-LoRA is refused with a message naming it.
+LoRA is refused with a message naming it; two tensor-parallel ranks give transformers' tokens
+(slow: worker processes).
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_families_2026 import SMALL_IDS, engine_prompts, hf_eager_greedy, hf_eager_logits
 from test_models import TINY, PagedRunner, prompts_for, save_random_model
 from transformers import Qwen3MoeConfig
@@ -35,6 +35,8 @@ from pagedserve.models.loader import load_model
 from pagedserve.models.registry import supported_architectures
 from pagedserve.quantization import QuantizationConfig
 
+# Tensors a quantized test file stores quantized: attention projections and experts.
+QUANTIZED_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "_exps")
 MOE = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=32, **SMALL_IDS)
 CONFIGS = {
     # Layer 1 dense (mlp_only_layers); top-2 weights not renormalised (Qwen3MoeConfig's default).
@@ -162,8 +164,6 @@ def save_quantized_weights(model: torch.nn.Module, folder: Path, out: Path) -> N
     layer multiplies by (x = I gives W^T; no layer here has a bias), in HF names."""
     import shutil
 
-    from safetensors.torch import save_file
-
     from pagedserve.models.layers.linear import LinearBase
 
     weights = load_file(folder / "model.safetensors")
@@ -182,11 +182,26 @@ def save_quantized_weights(model: torch.nn.Module, folder: Path, out: Path) -> N
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
 
 
-def write_qwen3moe_gguf(folder: Path, config: Qwen3MoeConfig, out: Path) -> None:
+def write_qwen3moe_gguf(folder: Path, config: Qwen3MoeConfig, out: Path, qtype: str = "F32") -> None:
     """The folder's weights as llama.cpp's converter stores a qwen3moe model: attention as
     qwen3, each layer's experts stacked into ffn_{gate,up,down}_exps (E, out, in), the
-    router as ffn_gate_inp; F32, with the metadata keys llama.cpp writes."""
+    router as ffn_gate_inp, with the metadata keys llama.cpp writes. `qtype`: the type of
+    the attention projections and the experts (the rest F32); the folder's weights are
+    replaced by the values the file holds (gguf's own dequantization)."""
     gguf = pytest.importorskip("gguf")
+    kind = gguf.GGMLQuantizationType[qtype]
+
+    def add(name: str, hf_names: list[str], tensor: torch.Tensor) -> None:
+        data = tensor.float().numpy()
+        if qtype != "F32" and name.rpartition(".")[0].endswith(QUANTIZED_PARTS):
+            data = gguf.quants.quantize(data, kind)
+            values = torch.from_numpy(gguf.quants.dequantize(data, kind).reshape(tensor.shape).copy())
+            for i, hf_name in enumerate(hf_names):  # what the file holds, for transformers
+                weights_out[hf_name] = values[i] if len(hf_names) > 1 else values
+            writer.add_tensor(name, data, raw_dtype=kind)
+        else:
+            writer.add_tensor(name, data)
+
     writer = gguf.GGUFWriter(str(out), "qwen3moe")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -204,26 +219,33 @@ def write_qwen3moe_gguf(folder: Path, config: Qwen3MoeConfig, out: Path) -> None
     writer.add_vocab_size(config.vocab_size)
     names = {hf: g for g, hf in _gguf_to_hf_names("qwen3moe", config).items()}
     weights = load_file(folder / "model.safetensors")
+    weights_out = dict(weights)
     for layer in range(config.num_hidden_layers):
         for proj in ("gate", "up", "down"):
-            prefix = f"model.layers.{layer}.mlp.experts"
-            stacked = torch.stack([weights.pop(f"{prefix}.{e}.{proj}_proj.weight")
-                                   for e in range(config.num_experts)])
-            writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", stacked.numpy())
+            experts = [f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"
+                       for e in range(config.num_experts)]
+            add(f"blk.{layer}.ffn_{proj}_exps.weight", experts,
+                torch.stack([weights.pop(name) for name in experts]))
     for name, tensor in weights.items():
-        writer.add_tensor(names[name], tensor.float().numpy().astype(np.float32))
+        add(names[name], [name], tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if qtype != "F32":
+        save_file({k: v.contiguous() for k, v in weights_out.items()}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
 
 
-def test_gguf_qwen3moe_matches_hf(tmp_path: Path) -> None:
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_gguf_qwen3moe_matches_hf(tmp_path: Path, qtype: str) -> None:
+    """Dequantized at load (Q8_0: attention and stacked experts) vs transformers on the
+    values the file holds."""
     # llama.cpp's qwen3moe: every layer sparse, top-k weights renormalised.
-    config = Qwen3MoeConfig(**TINY, norm_topk_prob=True, max_window_layers=2, **MOE)
+    config = Qwen3MoeConfig(**TINY, norm_topk_prob=True, **MOE)
     save_random_model(config, tmp_path / "hf")
     path = tmp_path / "qwen3moe.gguf"
-    write_qwen3moe_gguf(tmp_path / "hf", config, path)
+    write_qwen3moe_gguf(tmp_path / "hf", config, path, qtype)
     loaded = load_gguf_config(path)
     assert loaded.architectures == ["Qwen3MoeForCausalLM"]
     assert (loaded.moe_intermediate_size, loaded.num_experts, loaded.num_experts_per_tok,
@@ -233,3 +255,27 @@ def test_gguf_qwen3moe_matches_hf(tmp_path: Path) -> None:
     want = hf_eager_logits(tmp_path / "hf", prompts)
     for got, exp in zip(PagedRunner(model, 3).step(list(enumerate(prompts))), want, strict=True):
         torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4)
+    if qtype == "F32":
+        return
+    # quantization="gguf": the attention's Q8_0 blocks served as they are, the experts (3-D
+    # in the file) dequantized at load.
+    model, _ = load_model(path, torch.float32, torch.device("cpu"), QuantizationConfig("gguf"))
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.quant_method.name.startswith("gguf")
+    assert not layer.mlp.experts[0].gate_up_proj.quant_method.name.startswith("gguf")
+    for got, exp in zip(PagedRunner(model, 3).step(list(enumerate(prompts))), want, strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # two worker processes: ~50 s on the shared 2-core machine
+def test_two_ranks_greedy_matches_hf(root: Path) -> None:
+    """Tensor parallelism: each rank holds a slice of every expert's columns, and one
+    all-reduce a layer sums the experts' partial outputs."""
+    path = _checkpoint("moe", root)
+    prompts = engine_prompts(CONFIGS["moe"].vocab_size)
+    llm = LLM(str(path), tensor_parallel_size=2, max_model_len=128, block_size=8,
+              kv_cache_memory_bytes=8 << 20, skip_tokenizer_init=True, dtype="float32")
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_eager_greedy(path, prompts)
+    llm.llm_engine.assert_no_leaks()
