@@ -32,9 +32,9 @@
 // "channel tiles" instead: a vector holds 8 output channels at one k, so a group's partial sums
 // need no horizontal add and its 16 scales are one contiguous load:
 //   gemv_int8_grouped  q (N/16, K, 16) int8:  q[t, k, j] = Q[16 t + j, k]  (1 byte per weight)
-//                      scale (N/16, K/group, 16) float16 or float32, group a multiple of 16
+//                      scale (N/16, K/group, 16) float16
 //                      y = sum_g scale[n, g] * sum_{k in g} x[k] q[n, k]   (+ bias)
-//                      or float32 (N/16, K/group, 2, 16) (s, l0): W = q s + l0 (a GGUF file's
+//                      or float32 (N/16, K/group, 2, 16) (s, l0), groups of 16 allowed: W = q s + l0 (a GGUF file's
 //                      K-quants and Q5_1 repacked exactly, quantization/gguf_blocks.py), with
 //                      y += l0 * sum_{k in g} x[k] per group as below
 //   gemv_int4_grouped  q (N/16, K, 8) uint8: byte j of (t, k) = Q[16t+j, k] | Q[16t+8+j, k] << 4
@@ -550,6 +550,31 @@ struct ChanI4 {
     hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
   }
 };
+// 16 weights of 5 or 6 bits (a GGUF file's Q5_0 / Q5_1 / Q5_K / Q6_K, as few bytes as the
+// file's): ChanI4's 8 bytes of low nibbles, then the high bits of the 16 channels, HB = Bits - 4
+// per channel, in one little-endian word of 2 * HB bytes (channel j's at bits HB j ..).
+template <int Bits>
+struct ChanBits {
+  static constexpr int kHigh = Bits - 4;
+  const uint8_t* w;  // the tile: K x (8 + 2 * kHigh) bytes
+  static constexpr int64_t kBytesPerK = 8 + 2 * kHigh;
+  const void* at(int64_t k) const { return w + k * kBytesPerK; }
+  inline void operator()(int64_t k, __m256& lo, __m256& hi) const {
+    const uint8_t* p = w + k * kBytesPerK;
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    uint32_t word = 0;
+    std::memcpy(&word, p + 8, 2 * kHigh);
+    const __m256i v = _mm256_set1_epi32(static_cast<int>(word));
+    const __m256i mask = _mm256_set1_epi32((1 << kHigh) - 1);
+    const __m256i shift_lo = kHigh == 1 ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+                                        : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i shift_hi = _mm256_add_epi32(shift_lo, _mm256_set1_epi32(8 * kHigh));
+    const __m256i h_lo = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(v, shift_lo), mask), 4);
+    const __m256i h_hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(v, shift_hi), mask), 4);
+    lo = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(15)), h_lo));
+    hi = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(b, 4), h_hi));
+  }
+};
 
 // Per group of `group` k and MT rows: acc[i] = sum_k x[i, k] * w[k, 0..15] (float32), with U
 // k in flight for few rows (2 * U * MT independent FMA chains hide the latency); then
@@ -674,7 +699,7 @@ inline void fold_group(float* tot, int64_t m0, int64_t g, int64_t groups, __m256
   }
 }
 
-// Param: c10::Half or float scales (N/16, K/group, 16); Affine: float (s, l0) pairs
+// Param: c10::Half scales (N/16, K/group, 16); Affine: float (s, l0) pairs
 // (N/16, K/group, 2, 16), W = q s + l0 (a GGUF file's Q5_1 / Q5_K, or Q4_K fused beside int8).
 template <class Param, bool Affine>
 void int8_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& scale,
@@ -700,23 +725,33 @@ void int8_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tens
   });
 }
 
-template <class Param>
+// Load: ChanI4 or ChanBits<5 / 6>. Param pairs (N/16, K/group, 2, 16) (see group_affine), or
+// with Centered a scale alone (N/16, K/group, 16): W = (q - 2^(Bits-1)) s, level 0 = -2^(Bits-1) s
+// (exact in float32: a power of two times s), a GGUF file's Q5_0 / Q6_K in their own bytes.
+template <class Param, class Load, bool Centered = false>
 void int4_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& sz,
-                       const float* bias, at::Tensor& y) {
+                       const float* bias, at::Tensor& y, float center = 0.0f) {
   const int64_t M = xf.size(0), K = xf.size(1), tiles = q.size(0), N = tiles * kTile;
-  const int64_t groups = sz.size(1), group = K / groups;
+  const int64_t groups = sz.size(1), group = K / groups, per_group = Centered ? kTile : 2 * kTile;
   const float* xd = xf.data_ptr<float>();
   const std::vector<float> xsum = group_sums(xd, M, K, groups);
   const uint8_t* qd = q.data_ptr<uint8_t>();
   const auto* szd = reinterpret_cast<const Param*>(sz.data_ptr());
   const TileOut out(y, bias, N);
-  for_tiles(tiles, K * kTile / 2, M, [&](int64_t t, float* tot) {
+  const __m256 minus_center = _mm256_set1_ps(-center);
+  for_tiles(tiles, K * Load::kBytesPerK, M, [&](int64_t t, float* tot) {
     std::fill(tot, tot + M * kTile, 0.0f);
-    const Param* st = szd + t * groups * 2 * kTile;
-    chan_all_rows(xd, M, K, group, ChanI4{qd + t * K * (kTile / 2)},
+    const Param* st = szd + t * groups * per_group;
+    chan_all_rows(xd, M, K, group, Load{qd + t * K * Load::kBytesPerK},
                   [&](int64_t m0, int64_t g, __m256 (*acc)[2], int mt) {
                     __m256 s0, s1, l0, l1;
-                    group_affine(st + g * 2 * kTile, s0, s1, l0, l1);
+                    if constexpr (Centered) {
+                      load_param16(st + g * per_group, s0, s1);
+                      l0 = _mm256_mul_ps(s0, minus_center);
+                      l1 = _mm256_mul_ps(s1, minus_center);
+                    } else {
+                      group_affine(st + g * per_group, s0, s1, l0, l1);
+                    }
                     fold_group<true>(tot, m0, g, groups, acc, mt, s0, s1, l0, l1, xsum.data());
                   });
     out.store(tot, M, t);
@@ -859,8 +894,12 @@ void int8_q8_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& s
 
 template <class Param, bool Affine>
 void int8_grouped_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&) {}
-template <class Param>
-void int4_grouped_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&) {}
+template <class Param, class Load, bool Centered = false>
+void int4_grouped_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&,
+                       float = 0.0f) {}
+struct ChanI4 {};
+template <int Bits>
+struct ChanBits {};
 void int8_q8_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&) {}
 
 #endif  // PAGEDSERVE_AVX2
@@ -970,11 +1009,14 @@ void check_x_scales_bias(const at::Tensor& x, int64_t tiles, const at::Tensor& s
 }
 
 // The channel-tile ops (int8 and int4 grouped): q (N/16, K, bytes_per_k).
+// Groups: multiples of 32 columns (pagedserve's own methods), or of 16 for the GGUF forms'
+// float16 / float32 parameters (`multiple`; Q6_K's sub-blocks).
 void check_grouped(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                   int64_t bytes_per_k, const c10::optional<at::Tensor>& bias, const char* op) {
+                   int64_t bytes_per_k, const c10::optional<at::Tensor>& bias, const char* op,
+                   int64_t multiple = 32) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(1) == x.size(1) && q.size(2) == bytes_per_k, op,
               ": q must be contiguous channel tiles (N/16, K, ", bytes_per_k, ") with K = x.size(-1)");
-  check_x_scales_bias(x, q.size(0), scales, bias, op, 16);
+  check_x_scales_bias(x, q.size(0), scales, bias, op, multiple);
 }
 
 // The group-wise ops' common run: y (x's rows, 16 * tiles) in x's dtype; impl(x as contiguous
@@ -1003,18 +1045,15 @@ at::Tensor gemv_int8_grouped(const at::Tensor& x_in, const at::Tensor& q, const 
                              const c10::optional<at::Tensor>& bias) {
   const char* op = "gemv_int8_grouped";
   const at::Tensor x = rows_view(x_in, op);
-  check_grouped(x, q, scale, kTile, bias, op);
-  TORCH_CHECK(q.scalar_type() == at::kChar, op, ": q must be int8");
   const bool affine = scale.dim() == 4;
+  check_grouped(x, q, scale, kTile, bias, op, affine ? 16 : 32);
+  TORCH_CHECK(q.scalar_type() == at::kChar, op, ": q must be int8");
   TORCH_CHECK((scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(2) == kTile) ||
-                  (scale.scalar_type() == at::kFloat && scale.dim() == 3 && scale.size(2) == kTile) ||
                   (scale.scalar_type() == at::kFloat && affine && scale.size(2) == 2 && scale.size(3) == kTile),
-              op, ": scale must be (N/16, K/group, 16) float16 / float32, or (N/16, K/group, 2, 16) float32 (s, l0)");
+              op, ": scale must be (N/16, K/group, 16) float16, or (N/16, K/group, 2, 16) float32 (s, l0)");
   return run_grouped(x_in, x, q.size(0), bias, op, [&](const at::Tensor& xf, const float* bd, at::Tensor& y) {
     if (affine)
       int8_grouped_impl<float, true>(xf, q, scale, bd, y);
-    else if (scale.scalar_type() == at::kFloat)
-      int8_grouped_impl<float, false>(xf, q, scale, bd, y);
     else
       int8_grouped_impl<c10::Half, false>(xf, q, scale, bd, y);
   });
@@ -1038,20 +1077,42 @@ at::Tensor gemv_int4_grouped(const at::Tensor& x_in, const at::Tensor& q, const 
                              const c10::optional<at::Tensor>& bias) {
   const char* op = "gemv_int4_grouped";
   const at::Tensor x = rows_view(x_in, op);
-  check_grouped(x, q, scales_zeros, kTile / 2, bias, op);
-  TORCH_CHECK(q.scalar_type() == at::kByte, op, ": q must be uint8");
+  // Bytes per k of a tile: 8 (4-bit), 10 (5-bit) or 12 (6-bit: ChanBits).
+  const int64_t bytes_per_k = q.dim() == 3 ? q.size(2) : 0;
+  TORCH_CHECK(bytes_per_k == 8 || bytes_per_k == 10 || bytes_per_k == 12, op,
+              ": q must be channel tiles (N/16, K, 8), or (N/16, K, 10 / 12) for 5 / 6 bits");
+  const int bits = static_cast<int>(4 + (bytes_per_k - 8) / 2);
   const auto kind = scales_zeros.scalar_type();
-  TORCH_CHECK((kind == at::kHalf || kind == at::kFloat || kind == at::kBFloat16) && scales_zeros.dim() == 4 &&
-                  scales_zeros.size(2) == 2 && scales_zeros.size(3) == kTile,
-              op, ": scales_zeros must be (N/16, K/group, 2, 16) bfloat16 (scale, zero), float16 (d, m) "
-              "or float32 (s, l0)");
+  check_grouped(x, q, scales_zeros, bytes_per_k, bias, op, kind == at::kBFloat16 ? 32 : 16);
+  TORCH_CHECK(q.scalar_type() == at::kByte, op, ": q must be uint8");
+  const bool centered = scales_zeros.dim() == 3;
+  TORCH_CHECK(centered ? (kind == at::kHalf || kind == at::kFloat) && scales_zeros.size(2) == kTile
+                       : (kind == at::kHalf || kind == at::kFloat || (kind == at::kBFloat16 && bits == 4)) &&
+                             scales_zeros.dim() == 4 && scales_zeros.size(2) == 2 && scales_zeros.size(3) == kTile,
+              op, ": scales_zeros must be (N/16, K/group, 2, 16) bfloat16 (scale, zero; 4 bits), float16 (d, m) "
+              "or float32 (s, l0), or (N/16, K/group, 16) float16 / float32 scales of q - 2^(bits-1)");
+  const float center = static_cast<float>(1 << (bits - 1));
   return run_grouped(x_in, x, q.size(0), bias, op, [&](const at::Tensor& xf, const float* bd, at::Tensor& y) {
-    if (kind == at::kHalf)
-      int4_grouped_impl<c10::Half>(xf, q, scales_zeros, bd, y);
-    else if (kind == at::kFloat)
-      int4_grouped_impl<float>(xf, q, scales_zeros, bd, y);
+    // Every (parameter form, width): one instantiation each.
+    auto run = [&](auto param, auto load) {
+      using P = decltype(param);
+      using L = decltype(load);
+      if (centered)
+        int4_grouped_impl<P, L, true>(xf, q, scales_zeros, bd, y, center);
+      else
+        int4_grouped_impl<P, L>(xf, q, scales_zeros, bd, y);
+    };
+    auto by_width = [&](auto param) {
+      if (bits == 4) run(param, ChanI4{});
+      else if (bits == 5) run(param, ChanBits<5>{});
+      else run(param, ChanBits<6>{});
+    };
+    if (kind == at::kBFloat16)
+      int4_grouped_impl<bf16, ChanI4>(xf, q, scales_zeros, bd, y);
+    else if (kind == at::kHalf)
+      by_width(c10::Half{});
     else
-      int4_grouped_impl<bf16>(xf, q, scales_zeros, bd, y);
+      by_width(float{});
   });
 }
 

@@ -155,6 +155,14 @@ def int8_grouped(
     return _ops().gemv_int8_grouped(x, tiles, scales, bias)
 
 
+def pack_affine_params(scale: torch.Tensor, level0: torch.Tensor) -> torch.Tensor:
+    """scale, level 0 (out, in / g) -> (out/16, in / g, 2, 16) float32: the (s, l0) pairs of
+    W = q * s + l0 that the channel-tile ops take."""
+    out_features = scale.shape[0]
+    params = torch.stack((scale, level0), dim=1).float()  # (out, 2, in / g)
+    return params.view(out_features // TILE, TILE, 2, -1).permute(0, 3, 2, 1).contiguous()
+
+
 def pack_int8_affine(
     q: torch.Tensor, scale: torch.Tensor, level0: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,9 +171,7 @@ def pack_int8_affine(
     and (out/16, in / g, 2, 16) float32 parameters, the affine form of `int8_grouped`."""
     out_features, in_features = q.shape
     tiles = q.view(out_features // TILE, TILE, in_features).transpose(1, 2).contiguous()
-    params = torch.stack((scale, level0), dim=1).float()  # (out, 2, in / g)
-    params = params.view(out_features // TILE, TILE, 2, -1).permute(0, 3, 2, 1)
-    return tiles, params.contiguous()
+    return tiles, pack_affine_params(scale, level0)
 
 
 def pack_int8_quads(q: torch.Tensor) -> torch.Tensor:
@@ -232,6 +238,37 @@ def pack_int4_grouped(
     return tiles, sz.contiguous()
 
 
+def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q (out, in) uint8 in [0, 2^bits), bits 4, 5 or 6 -> channel tiles (out/16, in, 8 + 2 (bits - 4))
+    uint8: per k, `pack_int4_grouped`'s 8 bytes of low nibbles, then the 16 channels' high
+    bits (bits - 4 each, channel j's at bit (bits - 4) j) as one little-endian word."""
+    out_features, in_features = q.shape
+    halves = (q & 15).contiguous().view(out_features // TILE, 2, TILE // 2, in_features)
+    low = (halves[:, 0] | (halves[:, 1] << 4)).transpose(1, 2)  # (T, in, 8)
+    high_bits = bits - 4
+    if high_bits == 0:
+        return low.contiguous()
+    high = (q >> 4).to(torch.int64).view(out_features // TILE, TILE, in_features).transpose(1, 2)
+    shifts = torch.arange(TILE, dtype=torch.int64) * high_bits
+    word = (high << shifts).sum(dim=-1)  # (T, in): < 2^32
+    word_bytes = torch.stack([(word >> (8 * b)) & 255 for b in range(2 * high_bits)], dim=-1)
+    return torch.cat((low, word_bytes.to(torch.uint8)), dim=-1).contiguous()
+
+
+def unpack_bits(tiles: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_bits`: q (out, in) uint8 (the width from the tiles' bytes per k)."""
+    num_tiles, in_features, nbytes = tiles.shape
+    high_bits = (nbytes - 8) // 2
+    t = torch.cat((tiles[..., :8] & 15, tiles[..., :8] >> 4), dim=-1)  # (T, in, 16)
+    if high_bits:
+        word = torch.zeros(num_tiles, in_features, dtype=torch.int64)
+        for b in range(2 * high_bits):
+            word |= tiles[..., 8 + b].to(torch.int64) << (8 * b)
+        shifts = torch.arange(TILE, dtype=torch.int64) * high_bits
+        t = t | (((word[..., None] >> shifts) & ((1 << high_bits) - 1)) << 4).to(torch.uint8)
+    return t.transpose(1, 2).reshape(num_tiles * TILE, in_features)
+
+
 def unpack_int4_grouped(
     tiles: torch.Tensor, sz: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -247,5 +284,7 @@ def int4_grouped(
     x: torch.Tensor, tiles: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x (..., in) float32/bf16 -> x W^T + b (..., out) in x.dtype, W = (q - 8) * scale + zero
-    (bf16 parameters) or q * d + m (fp16 / fp32), float32 products and sums; at most MAX_ROWS rows."""
+    (bf16 parameters) or q * d + m (fp16 / fp32), float32 products and sums; at most MAX_ROWS
+    rows. With `pack_bits` tiles of 5 / 6 bits, (d, m) pairs or (out/16, in / g, 16) scales
+    alone of W = (q - 2^(bits-1)) * scale (a GGUF file's Q5_0 / Q6_K)."""
     return _ops().gemv_int4_grouped(x, tiles, scales_zeros, bias)

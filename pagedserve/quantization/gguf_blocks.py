@@ -27,15 +27,18 @@ one qkv_proj), loads dequantized like the embedding and the LM head.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.quantization import gemv
-from pagedserve.quantization.base import LinearMethod
+from pagedserve.quantization.base import LinearCall, LinearMethod, add_bias, linear_call
 from pagedserve.quantization.gguf_decode import BLOCKS, FOUR_BIT, HALF_SCALES, decode
 from pagedserve.quantization.int4 import Int4LinearMethod
 from pagedserve.quantization.int8_grouped import Int8GroupedLinearMethod
+from pagedserve.quantization.packed import onednn_packs
 
 BLOCK = 32
 
@@ -138,8 +141,8 @@ def _keep_shard(layer: nn.Module, param: torch.Tensor, blocks: object, shard_id:
 
 class GGUFInt8Method(_GGUFBlocks, Int8GroupedLinearMethod):
     """Every type but the 4-bit ones alone (or 4-bit shards fused beside others) as int8
-    channel tiles: q as an int8, s (and l0) per group, float16 where every shard's parameters
-    are exact in float16 (Q8_0, Q5_0, IQ4_NL), else float32; groups of 16 with a Q6_K shard
+    channel tiles: q as an int8, s per group in float16 where every shard's parameters are
+    exact in float16 (Q8_0, Q5_0, IQ4_NL), else float32 (s, l0) pairs; groups of 16 with a Q6_K shard
     (the others' parameters repeated). Q8_0 alone also loads without the GEMV kernel (its
     torch path); the other forms need the kernel (`gguf_method`)."""
 
@@ -154,16 +157,15 @@ class GGUFInt8Method(_GGUFBlocks, Int8GroupedLinearMethod):
         decoded = [d.regrouped(group) for d in decoded]
         q = torch.cat([d.q for d in decoded]).to(torch.int8)
         scale = torch.cat([d.scale for d in decoded])
-        if all(d.level0 is None for d in decoded):
-            half = all(p.qtype in HALF_SCALES for p in parts)  # type: ignore[attr-defined]
-            if half:  # Q8_0's form: exact in float16, and torch's path without the kernel
-                self.set_quantized(layer, q, scale.to(torch.float16))
-                return
-            tiles, scales = gemv.pack_int8_grouped(q, scale)
-        else:
-            level0 = torch.cat([d.level0 if d.level0 is not None else torch.zeros_like(d.scale)
-                                for d in decoded])
-            tiles, scales = gemv.pack_int8_affine(q, scale, level0)
+        if all(p.qtype in HALF_SCALES for p in parts):  # type: ignore[attr-defined]
+            # Q8_0's form: exact in float16, and torch's path without the kernel
+            self.set_quantized(layer, q, scale.to(torch.float16))
+            return
+        # float32 parameters come as (s, l0) pairs (l0 = 0 where a shard has none): the op's
+        # one float32 form (Q6_K / IQ4_XS beside int8 types are rare in real files).
+        level0 = torch.cat([d.level0 if d.level0 is not None else torch.zeros_like(d.scale)
+                            for d in decoded])
+        tiles, scales = gemv.pack_int8_affine(q, scale, level0)
         layer.register_buffer("qweight_tiles", tiles)
         layer.register_buffer("scale_tiles", scales)
 
@@ -194,13 +196,105 @@ class GGUFInt4Method(_GGUFBlocks, Int4LinearMethod):
         self.set_quantized_gguf(layer, q, s, l0)
 
 
+# Types of at most 6 bits that `GGUFBitsMethod` holds in 5- or 6-bit tiles; CENTERED ones are
+# decoded as q - CENTERED[type] (gguf_decode), stored as q - center + 2^(bits-1) >= 0.
+BITS_TYPES = {"Q5_0", "Q6_K", "Q5_1", "Q5_K", "Q4_K", "Q4_0", "Q4_1"}
+CENTERED = {"Q5_0": 16, "Q6_K": 32}
+
+
+class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
+    """Q5_0 / Q6_K (and the affine 4- and 5-bit types beside them) in the file's own number of
+    bits: `gemv.pack_bits` channel tiles of 5 bits (6 with a Q6_K shard), so a decode step
+    reads ~as many bytes as llama.cpp does (Q5_0: 0.69 bytes a weight, where int8 tiles read
+    1.06), and the `gemv_int4_grouped` op multiplies them.
+
+    Parameters: Q5_0 alone: its float16 d per 32, W = (q - 16) d ("centered": the kernel adds
+    -16 d times the group's sum of x); Q6_K: float32 d * sc per 16 (its shards set groups of 16
+    for all), W = (q - 32) s; a shard with a level 0 (Q5_1, Q5_K, Q4_K): float32 (s, l0) pairs
+    for all, a centered shard's l0 = -2^(bits-1) s (exact).
+
+    Layer tensors: qweight_tiles (out/16, in, 10 or 12) uint8, scale_tiles (out/16, in / g, 16)
+    float16 / float32 or (out/16, in / g, 2, 16) float32. Needs the GEMV kernel (`gguf_method`).
+    """
+
+    name = "gguf-bits"
+    converts_weight_per_call = True  # dequantized for the GEMM past gemv.CHUNKED_MAX_ROWS
+
+    def _install(self, layer: nn.Module, parts: list[object]) -> None:
+        qtypes = [p.qtype for p in parts]  # type: ignore[attr-defined]
+        decoded = [decode(p.qtype, p.blocks, p.shape) for p in parts]  # type: ignore[attr-defined]
+        bits = 6 if "Q6_K" in qtypes else 5
+        center = 1 << (bits - 1)
+        group = min(d.group for d in decoded)
+        decoded = [d.regrouped(group) for d in decoded]
+        q = torch.cat([d.q + (center if t in CENTERED else 0) for t, d in zip(qtypes, decoded, strict=True)])
+        scale = torch.cat([d.scale for d in decoded])
+        if all(t in CENTERED for t in qtypes):
+            half = all(t in HALF_SCALES for t in qtypes)
+            params = scale.to(torch.float16 if half else torch.float32)
+            out_features = params.shape[0]
+            params = params.view(out_features // gemv.TILE, gemv.TILE, -1).transpose(1, 2).contiguous()
+        else:
+            level0 = torch.cat([d.level0 if d.level0 is not None else -center * d.scale for d in decoded])
+            params = gemv.pack_affine_params(scale, level0)
+        layer.register_buffer("qweight_tiles", gemv.pack_bits(q.to(torch.uint8), bits))
+        layer.register_buffer("scale_tiles", params)
+
+    def weight_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
+        return [layer.qweight_tiles, layer.scale_tiles]
+
+    def decode_op(self, layer: nn.Module) -> LinearCall | None:
+        return linear_call("gemv_int4_grouped", layer.qweight_tiles, layer.scale_tiles,
+                           bias=getattr(layer, "bias", None))
+
+    def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (out, in) weight: gguf.dequantize's numbers (in float32, then `dtype`)."""
+        return torch.cat(list(_bits_blocks(layer, dtype)))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        tiles, params, bias = layer.qweight_tiles, layer.scale_tiles, getattr(layer, "bias", None)
+        if x.dtype in gemv.X_DTYPES:
+            rows = gemv.rows_of(x)
+            if rows <= gemv.MAX_ROWS:  # a decode step: one op, x as it is
+                return gemv.int4_grouped(x, tiles, params, bias)
+            if rows <= self.decode_max_rows(layer):
+                return gemv.in_chunks(gemv.int4_grouped, x, tiles, params, bias)
+        # As int8_grouped: float32 GEMMs for bf16 x where the CPU has no bf16 GEMM (AVX2).
+        compute = torch.float32 if x.dtype == torch.bfloat16 and not onednn_packs(torch.bfloat16) else x.dtype
+        x2 = x.reshape(-1, x.shape[-1]).to(compute)
+        outs = [F.linear(x2, w) for w in _bits_blocks(layer, compute)]
+        y = add_bias((outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(x.dtype), layer)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _bits_blocks(layer: nn.Module, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """The weight of a `GGUFBitsMethod` layer, (16 T, in) in `dtype` per block of T tiles
+    (~4 MiB of float32): (q - center) * s, or q * s + l0 (q * s exact, one rounding: gguf's)."""
+    tiles: torch.Tensor = layer.qweight_tiles  # type: ignore[assignment]
+    params: torch.Tensor = layer.scale_tiles  # type: ignore[assignment]
+    num_tiles, in_features, nbytes = tiles.shape
+    groups, center = params.shape[1], 1 << (3 + (nbytes - 8) // 2)
+    step = max(1, (1 << 20) // (in_features * gemv.TILE))
+    for t in range(0, num_tiles, step):
+        q = gemv.unpack_bits(tiles[t : t + step]).float()  # (16 T, in)
+        p = params[t : t + step].float()
+        rows = q.shape[0]
+        q = q.view(rows, groups, in_features // groups)
+        if p.dim() == 3:  # (T, G, 16) scales of q - center
+            w = (q - center) * p.transpose(1, 2).reshape(rows, groups)[..., None]
+        else:
+            s = p[:, :, 0].transpose(1, 2).reshape(rows, groups)
+            w = q * s[..., None] + p[:, :, 1].transpose(1, 2).reshape(rows, groups)[..., None]
+        yield w.view(rows, in_features).to(dtype)
+
+
 def gguf_method(qtypes: set[str], kernel: bool) -> LinearMethod | None:
     """The method for a linear layer whose checkpoint tensors have these GGUF types, or None
     (loaded dequantized: a float tensor among them, a type with no exact integer form, or
     a form only the GEMV kernel serves where it cannot take the layer: `kernel` False).
 
-    4-bit types alone go to int4 channel tiles (half the bytes of int8); any other mix of
-    quantized types to int8 channel tiles."""
+    4-bit types alone go to int4 channel tiles (half the bytes of int8); Q5_0 / Q6_K (and
+    4- / 5-bit types beside them) to 5- / 6-bit tiles; any other mix (Q8_0, IQ4_*) to int8."""
     if not qtypes or not qtypes <= set(TARGETS):
         return None
     if qtypes <= _Q8_ONLY:
@@ -209,4 +303,6 @@ def gguf_method(qtypes: set[str], kernel: bool) -> LinearMethod | None:
         return GGUFInt4Method()
     if not kernel:
         return None
-    return GGUFInt4Method() if qtypes <= set(FOUR_BIT) else GGUFInt8Method()
+    if qtypes <= set(FOUR_BIT):
+        return GGUFInt4Method()
+    return GGUFBitsMethod() if qtypes <= BITS_TYPES else GGUFInt8Method()

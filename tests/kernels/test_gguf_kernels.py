@@ -63,10 +63,18 @@ def _layer(qtypes: tuple[str, ...], bias: bool) -> tuple[MergedColumnParallelLin
     return layer, torch.cat([w for _, w in parts])
 
 
-# Each served form: int4 float32 (s, l0); int8 float16 / float32 scales; int8 affine with
-# groups of 16 (Q6_K beside a K-quant); the types people publish alone and fused.
-CASES = [("Q4_K",), ("Q4_K", "Q4_0"), ("Q6_K",), ("Q5_0",), ("Q5_0", "Q8_0"), ("IQ4_NL",),
-         ("IQ4_XS",), ("Q5_1",), ("Q5_K",), ("Q4_K", "Q6_K"), ("Q6_K", "Q8_0", "Q5_1")]
+# Each served form: int4 float32 (s, l0); 5- / 6-bit tiles with float16 / float32 scales of
+# q - 2^(bits-1) or (s, l0) pairs, groups of 16 with a Q6_K shard; int8 float16 / float32
+# scales or pairs; the types people publish alone and fused.
+CASES = [("Q4_K",), ("Q4_K", "Q4_0"), ("Q6_K",), ("Q5_0",), ("Q5_0", "Q6_K"), ("Q5_0", "Q4_K"),
+         ("Q5_1",), ("Q5_K",), ("Q4_K", "Q6_K"), ("Q5_0", "Q8_0"), ("IQ4_NL",), ("IQ4_XS",),
+         ("Q6_K", "Q8_0", "Q5_1")]
+FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
+BITS = FOUR_BIT | {"Q5_0", "Q6_K", "Q5_1", "Q5_K"}
+
+
+def _method_name(qtypes: tuple[str, ...]) -> str:
+    return "gguf-q4" if set(qtypes) <= FOUR_BIT else "gguf-bits" if set(qtypes) <= BITS else "gguf-int8"
 ROWS = (1, 3, 32, 45, 200)  # one GEMV call; chunks of 32 (up to 128); the GEMM path
 
 needs_kernel = pytest.mark.skipif(gemv.gemv_ops() is None, reason="GEMV kernel unavailable (no AVX2/FMA)")
@@ -77,7 +85,7 @@ needs_kernel = pytest.mark.skipif(gemv.gemv_ops() is None, reason="GEMV kernel u
 def test_layer_holds_the_files_values_and_multiplies_them(qtypes: tuple[str, ...]):
     layer, want_w = _layer(qtypes, bias=True)
     method = layer.quant_method
-    assert method.name == ("gguf-q4" if set(qtypes) <= {"Q4_0", "Q4_1", "Q4_K"} else "gguf-int8")
+    assert method.name == _method_name(qtypes)
     held = method.dequantized_weight(layer)
     assert torch.equal(held, want_w)
     gen = torch.Generator().manual_seed(3)
@@ -107,17 +115,22 @@ def test_the_decode_op_is_the_apply_of_a_decode_step():
 
 @needs_kernel
 def test_parameters_take_the_fewest_bytes_that_are_exact():
-    """float16 where every shard's are exact in it (Q5_0, Q8_0); float32 for d * sub-block
+    """As many bits a weight as the file's (5 for Q5_0, 6 with a Q6_K shard); float16
+    parameters where every shard's are exact in it (Q5_0, Q8_0); float32 for d * sub-block
     scale; (s, l0) pairs and groups of 16 only where a shard needs them."""
-    forms = {
-        ("Q5_0", "Q8_0"): (torch.float16, 3, 16),
-        ("Q6_K",): (torch.float32, 3, 32),
-        ("Q4_K", "Q6_K"): (torch.float32, 4, 32),
-        ("Q5_K",): (torch.float32, 4, 16),
+    forms = {  # tile bytes per k, parameter dtype, dims, groups (in = 512)
+        ("Q5_0",): (10, torch.float16, 3, 16),
+        ("Q6_K",): (12, torch.float32, 3, 32),
+        ("Q5_0", "Q6_K"): (12, torch.float32, 3, 32),
+        ("Q5_K",): (10, torch.float32, 4, 16),
+        ("Q4_K", "Q6_K"): (12, torch.float32, 4, 32),
+        ("Q5_0", "Q8_0"): (16, torch.float16, 3, 16),
+        ("IQ4_XS",): (16, torch.float32, 4, 16),
     }
-    for qtypes, (dtype, dims, groups) in forms.items():
+    for qtypes, (nbytes, dtype, dims, groups) in forms.items():
         layer, _ = _layer(qtypes, bias=False)
         scales = layer.scale_tiles
+        assert layer.qweight_tiles.shape[-1] == nbytes, qtypes
         assert (scales.dtype, scales.dim(), scales.shape[1]) == (dtype, dims, groups), qtypes
     layer, _ = _layer(("Q4_K",), bias=False)
     assert layer.scales_zeros_tiles.dtype == torch.float32 and layer.qweight_tiles.shape[-1] == 8
@@ -127,7 +140,9 @@ def test_parameters_take_the_fewest_bytes_that_are_exact():
 def test_kernel_refuses_malformed_parameters():
     q = torch.zeros(1, 64, 16, dtype=torch.int8)
     x = torch.randn(1, 64)
-    with pytest.raises(RuntimeError, match="float16 / float32"):
+    with pytest.raises(RuntimeError, match="float16"):
         gemv.int8_grouped(x, q, torch.zeros(1, 2, 16, dtype=torch.bfloat16), None)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        gemv.int8_grouped(x, q, torch.zeros(1, 8, 16), None)
+        gemv.int8_grouped(x, q, torch.zeros(1, 8, 2, 16), None)
+    with pytest.raises(RuntimeError, match="5 / 6 bits"):
+        gemv.int4_grouped(x, torch.zeros(1, 64, 9, dtype=torch.uint8), torch.zeros(1, 2, 16), None)
