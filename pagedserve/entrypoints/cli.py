@@ -112,8 +112,9 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
                        help='let tool_choice "auto" (the default with tools) parse tool calls out of the '
                             "model's text with --tool-call-parser")
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                       help="format of the model's tool calls (hermes: <tool_call>{...}</tool_call>, as "
-                            "Qwen2.5 / Hermes / SmolLM; use a --chat-template that renders tools)")
+                       help="format of the model's tool calls: hermes (Qwen2.5 / Hermes / SmolLM), llama3_json "
+                            "(Llama 3.x), mistral, pythonic (Llama 3.2 / 4, Gemma 3), qwen3_coder; a template "
+                            "that cannot render tools gets them described in a system message")
     group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split a reasoning model's thinking out of the content into message.reasoning_content "
                             "(deepseek_r1, qwen3, or think: a <think>...</think> block)")
