@@ -74,82 +74,14 @@ constexpr int64_t kThreadMacs = 65536;  // fewer threads below this much work ea
 // gain 6% / 17% / 13% / 6%.
 constexpr int kMm2MinRows = 384;
 
-// ---- SIMD layer: one struct per ISA, same static interface ------------------------------
-
-struct VecScalar {
-  static constexpr int W = 1;
-  using R = float;
-  static R zero() { return 0.f; }
-  static R set1(float v) { return v; }
-  static R load(const float* p) { return *p; }
-  static R load(const bf16* p) { return static_cast<float>(*p); }
-  template <class T>
-  static R load_n(const T* p, int n) { return n > 0 ? load(p) : 0.f; }
-  static R fma(R a, R b, R c) { return a * b + c; }
-  static R add(R a, R b) { return a + b; }
-  static void store(float* p, R v) { *p = v; }
-  static void store(bf16* p, R v) { *p = static_cast<bf16>(v); }
-  static R reduce(const R* a) { return a[0]; }
-};
-
+// The SIMD structs (one per ISA, same static interface) are pagedserve_common.h's.
+using pagedserve::VecBest;
+using pagedserve::VecScalar;
 #if defined(PAGEDSERVE_AVX512)
-struct Vec512 {
-  static constexpr int W = 16;
-  using R = __m512;
-  static R zero() { return _mm512_setzero_ps(); }
-  static R set1(float v) { return _mm512_set1_ps(v); }
-  static R load(const float* p) { return _mm512_loadu_ps(p); }
-  static R widen(__m256i h) { return pagedserve::widen_bf16x16(h); }
-  static R load(const bf16* p) { return pagedserve::load_bf16x16(p); }
-  static R load_n(const float* p, int n) { return _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), p); }
-  static R load_n(const bf16* p, int n) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    return widen(_mm256_maskz_loadu_epi16(__mmask16((1u << n) - 1), p));
-#else
-    alignas(32) bf16 tmp[16] = {};
-    std::memcpy(tmp, p, sizeof(bf16) * n);
-    return load(tmp);
+using pagedserve::Vec512;
 #endif
-  }
-  static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
-  static R add(R a, R b) { return _mm512_add_ps(a, b); }
-  static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
-  static void store(bf16* p, R v) { pagedserve::store_bf16x16(p, v); }  // nearest even
-  static R reduce(const R* a) { return pagedserve::reduce16(a); }  // out[i] = hsum of a[i]
-};
-#endif
-
 #if defined(PAGEDSERVE_AVX2)
-struct Vec256 {
-  static constexpr int W = 8;
-  using R = __m256;
-  static R zero() { return _mm256_setzero_ps(); }
-  static R set1(float v) { return _mm256_set1_ps(v); }
-  static R load(const float* p) { return _mm256_loadu_ps(p); }
-  static R load(const bf16* p) { return pagedserve::load_bf16x8(p); }
-  static R load_n(const float* p, int n) {
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    return _mm256_maskload_ps(p, mask);
-  }
-  static R load_n(const bf16* p, int n) {
-    alignas(16) bf16 tmp[8] = {};
-    std::memcpy(tmp, p, sizeof(bf16) * n);
-    return load(tmp);
-  }
-  static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
-  static R add(R a, R b) { return _mm256_add_ps(a, b); }
-  static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
-  static void store(bf16* p, R v) { pagedserve::store_bf16x8(p, v); }  // nearest even
-  static R reduce(const R* a) { return pagedserve::reduce8(a); }  // out[i] = hsum of a[i]
-};
-#endif
-
-#if defined(PAGEDSERVE_AVX512)
-using VecBest = Vec512;
-#elif defined(PAGEDSERVE_AVX2)
-using VecBest = Vec256;
-#else
-using VecBest = VecScalar;
+using pagedserve::Vec256;
 #endif
 
 // ---- phase-1 micro-kernel: RB x KB dot products -----------------------------------------

@@ -59,109 +59,14 @@ constexpr int kPrefetchTiles = 1;
 constexpr int kTileBufs = kPrefetchTiles + 1;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// ---- SIMD layer: one struct per ISA with the same static interface ----------------------
-
-struct VecScalar {  // portable fallback (also used when head_dim is not a multiple of W)
-  static constexpr int W = 1, kUnroll = 4;
-  using R = float;
-  static R zero() { return 0.f; }
-  static R set1(float x) { return x; }
-  static R load(const float* p) { return *p; }
-  static R load(const bf16* p) { return static_cast<float>(*p); }
-  static void store(float* p, R v) { *p = v; }
-  static R fma(R a, R b, R c) { return a * b + c; }
-  static R mul(R a, R b) { return a * b; }
-  static R add(R a, R b) { return a + b; }
-  static R sub(R a, R b) { return a - b; }
-  static R max_(R a, R b) { return std::max(a, b); }
-  static R exp(R x) { return std::exp(x); }
-  static R reduce(const R* acc) { return acc[0]; }
-  static float hsum(R v) { return v; }
-  static float hmax(R v) { return v; }
-  static void prefetch(const void*) {}
-};
-
-// Cephes-style expf (pagedserve::exp8's steps at AVX-512's width): |rel err| ~ 2e-7 on x <= 0;
-// inputs below -87.3 flush to ~1e-38.
-#define PAGED_EXP_BODY(V, x)                                            \
-  x = V::min_(V::max_(x, V::set1(-87.3365f)), V::set1(88.3762626f));    \
-  R fx = V::floor_(V::fma(x, V::set1(1.44269504f), V::set1(0.5f)));     \
-  x = V::fnma(fx, V::set1(0.693359375f), x);                            \
-  x = V::fnma(fx, V::set1(-2.12194440e-4f), x);                         \
-  R y = V::set1(1.9875691500e-4f);                                      \
-  y = V::fma(y, x, V::set1(1.3981999507e-3f));                          \
-  y = V::fma(y, x, V::set1(8.3334519073e-3f));                          \
-  y = V::fma(y, x, V::set1(4.1665795894e-2f));                          \
-  y = V::fma(y, x, V::set1(1.6666665459e-1f));                          \
-  y = V::fma(y, x, V::set1(5.0000001201e-1f));                          \
-  y = V::fma(y, V::mul(x, x), V::add(x, V::set1(1.f)));                 \
-  return V::mul(y, V::pow2i(fx));
-
+// The SIMD structs (one per ISA, same static interface) are pagedserve_common.h's.
+using pagedserve::VecBest;
+using pagedserve::VecScalar;
 #if defined(PAGEDSERVE_AVX512)
-struct Vec512 {
-  static constexpr int W = 16, kUnroll = 4;  // 32 registers: 4 x 4 accumulators + loads
-  using R = __m512;
-  static R zero() { return _mm512_setzero_ps(); }
-  static R set1(float x) { return _mm512_set1_ps(x); }
-  static R load(const float* p) { return _mm512_loadu_ps(p); }
-  static R load(const bf16* p) { return pagedserve::load_bf16x16(p); }
-  static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
-  static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
-  static R fnma(R a, R b, R c) { return _mm512_fnmadd_ps(a, b, c); }
-  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
-  static R add(R a, R b) { return _mm512_add_ps(a, b); }
-  static R sub(R a, R b) { return _mm512_sub_ps(a, b); }
-  static R min_(R a, R b) { return _mm512_min_ps(a, b); }
-  static R max_(R a, R b) { return _mm512_max_ps(a, b); }
-  static R floor_(R a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
-  static R pow2i(R n) {
-    __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
-  }
-  static R exp(R x) { PAGED_EXP_BODY(Vec512, x) }
-  static float hsum(R v) { return _mm512_reduce_add_ps(v); }
-  static float hmax(R v) { return _mm512_reduce_max_ps(v); }
-  static R reduce(const R* a) { return pagedserve::reduce16(a); }  // out[i] = hsum of a[i]
-  // Into L2 (T1): T0 measured 2x slower, the next tile evicting the current one from L1.
-  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
-};
+using pagedserve::Vec512;
 #endif
-
 #if defined(PAGEDSERVE_AVX2)
-struct Vec256 {
-  static constexpr int W = 8, kUnroll = 2;  // 16 registers: 4 x 2 accumulators + loads
-  using R = __m256;
-  static R zero() { return _mm256_setzero_ps(); }
-  static R set1(float x) { return _mm256_set1_ps(x); }
-  static R load(const float* p) { return _mm256_loadu_ps(p); }
-  static R load(const bf16* p) { return pagedserve::load_bf16x8(p); }
-  static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
-  static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
-  static R fnma(R a, R b, R c) { return _mm256_fnmadd_ps(a, b, c); }
-  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
-  static R add(R a, R b) { return _mm256_add_ps(a, b); }
-  static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
-  static R min_(R a, R b) { return _mm256_min_ps(a, b); }
-  static R max_(R a, R b) { return _mm256_max_ps(a, b); }
-  static R floor_(R a) { return _mm256_floor_ps(a); }
-  static R pow2i(R n) {
-    __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
-  }
-  static R exp(R x) { return pagedserve::exp8(x); }
-  static float hsum(R v) { return pagedserve::hsum8(v); }
-  static float hmax(R v) { return pagedserve::hmax8(v); }
-  static R reduce(const R* a) { return pagedserve::reduce8(a); }  // out[i] = hsum of a[i]
-  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
-};
-#endif
-
-#if defined(PAGEDSERVE_AVX512)
-using VecBest = Vec512;
-#elif defined(PAGEDSERVE_AVX2)
-using VecBest = Vec256;
-#else
-using VecBest = VecScalar;
+using pagedserve::Vec256;
 #endif
 
 // ---- per-call constants and per-thread scratch ------------------------------------------
