@@ -29,6 +29,9 @@ class ToolMode:
     constraint: StructuredOutputsParams | None = None
     parser: type[ToolParser] | None = None
     tools: tuple[dict[str, Any], ...] = ()  # the request's tools (qwen3_coder types values by them)
+    # parallel_tool_calls: false with "auto": only the first parsed call is returned (the
+    # constrained choices allow one call in the grammar itself).
+    parallel: bool = True
 
     @classmethod
     def for_request(cls, ctx: Any, body: Any) -> ToolMode:
@@ -43,7 +46,8 @@ class ToolMode:
                 raise APIError(400, 'tool_choice "auto" needs the server started with --enable-auto-tool-choice '
                                "and --tool-call-parser (e.g. hermes); or send tool_choice \"required\" or a named "
                                "function", "tool_choice")
-            return cls("auto", "auto", parser=get_tool_parser(ctx.tool_call_parser), tools=tuple(tools))
+            return cls("auto", "auto", parser=get_tool_parser(ctx.tool_call_parser), tools=tuple(tools),
+                       parallel=body.parallel_tool_calls)
         plain = choice if isinstance(choice, str) else choice.model_dump()
         try:
             constraint = tool_choice_constraint(tools, plain, body.parallel_tool_calls)
@@ -57,7 +61,7 @@ class ToolMode:
             return text, []
         if self.parser is not None:
             found = self.new_parser().extract(text)
-            return found.content, found.tool_calls
+            return found.content, found.tool_calls if self.parallel else found.tool_calls[:1]
         calls = parse_constrained(text, self.tool_choice)
         return (None, calls) if calls else (text, [])
 
@@ -88,6 +92,8 @@ class ToolStream:
                 tail = self.parser.finish()
                 content += tail.content
                 calls += tail.tool_calls
+            if not self.mode.parallel:
+                calls = [c for c in calls if c.index == 0]
             self.num_calls += sum(1 for c in calls if c.id is not None)
             return content or None, calls
         # Constrained calls: complete JSON only at the end.

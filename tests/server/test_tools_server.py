@@ -71,6 +71,12 @@ def test_each_parser_whole_and_streamed(parser_server: tuple[str, LiveServer]) -
     assert [(c.function.name, c.function.arguments) for c in streamed] == [
         (c.function.name, c.function.arguments) for c in calls]
     assert final.choices[0].finish_reason == "tool_calls"
+    # parallel_tool_calls false: only the first call, whole and streamed.
+    single = client.chat.completions.create(parallel_tool_calls=False, **kwargs)  # type: ignore[call-overload]
+    assert [c.function.arguments for c in single.choices[0].message.tool_calls] == [calls[0].function.arguments]
+    with client.chat.completions.stream(parallel_tool_calls=False, **kwargs) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_completion()
+    assert [c.function.arguments for c in final.choices[0].message.tool_calls or []] == [calls[0].function.arguments]
     _no_leak(server)
 
 
