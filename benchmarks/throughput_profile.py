@@ -6,8 +6,8 @@
     python benchmarks/throughput_profile.py --schedule-only --gflops 169.5 --gbs 24.7
                     # the run's roofline by step kind, from its schedule alone (seconds, any load)
 
-The workload, engine settings and machine probe are `benchmarks/throughput.py`'s. The
-engine is stepped here (`LLMEngine.step()`), and per step:
+The workload and engine settings are `benchmarks/throughput.py`'s, the machine probe
+`pagedserve.bench.roofline`'s. The engine is stepped here (`LLMEngine.step()`), and per step:
   * the engine's own timers (`add_step_hook`): the forward (model + LM head) and everything
     outside it (schedule, inputs, sampling, update, outputs: "engine");
   * the step's roofline (`pagedserve.bench.roofline.step_cost`): issue 18's max(FLOPs / peak, bytes /
