@@ -33,6 +33,7 @@ from typing import Any
 from pagedserve.bench.cells import Cell, CellStore, run_cells
 from pagedserve.bench.clock import FEATURES, StepCostModel, fit_step_model, modelled_makespan
 from pagedserve.bench.common import (
+    DEFAULT_THREADS,
     EngineSpec,
     make_engine,
     parse_list,
@@ -85,6 +86,7 @@ class StudySettings:
     max_loras: int = 16  # adapters resident at once; more are evicted and reloaded
     repeats: int = 2  # offline cells: fastest of this many runs (other load only adds time)
     seed: int = 0
+    threads: int = DEFAULT_THREADS  # torch intra-op threads: the same cell runs 1.3-2x apart on 1 and 2
     peer_server_cmd: str | None = None  # e.g. "llama-server -m {model} --port {port}"
 
     def fingerprint(self) -> dict[str, Any]:
@@ -101,7 +103,7 @@ QUICK = StudySettings(num_requests=24, rate_fractions=(0.3, 0.6, 0.9), batch_siz
                       memory_workload="alpaca", memory_kv_tokens=1024,
                       repeats=1)
 
-# args attribute -> (settings field, element type) for the list-valued overrides.
+# The list-valued settings a flag of the same name overrides -> their element type.
 _LIST_FLAGS = {"rate_fractions": float, "batch_sizes": int, "context_lens": int, "quant_levels": str,
                "lora_counts": int, "lora_ranks": str}
 
@@ -124,7 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace, parts: list[str] | None) -> StudySettings:
-    base = replace(QUICK if args.quick else StudySettings(), seed=args.seed)
+    base = replace(QUICK if args.quick else StudySettings(), seed=args.seed, threads=args.threads)
     changes: dict[str, Any] = {f: tuple(parse_list(v, kind)) for f, kind in _LIST_FLAGS.items()
                                if (v := getattr(args, f, None)) is not None}
     if args.num_requests is not None:
@@ -171,6 +173,7 @@ def study_command(args: argparse.Namespace, parts: tuple[str, ...] | None = None
     only `parts` of it."""
     words = ["pagedserve bench report", "--models", args.models, "--out", args.out_dir]
     words += ["--quick"] if args.quick else []
+    words += ["--threads", str(args.threads)] if args.threads != DEFAULT_THREADS else []
     for flag in [*_LIST_FLAGS, "num_requests", "parts", "peer_server_cmd"]:
         value = ",".join(parts) if flag == "parts" and parts else getattr(args, flag, None)
         if value is not None:
