@@ -8,8 +8,10 @@ The MoE model is Qwen3-30B-A3B's shape scaled down to a 2-core CPU: hidden 512, 
 The dense model is the same Qwen3 with one MLP of width top_k * moe_intermediate (1024), so
 each token multiplies by the same number of weights; the MoE model also computes its router
 (64 x 512 per layer). Both random, served by the engine from HF folders, greedy decoding
-with ignore_eos; output tok/s = batch * output tokens / wall time of the whole generate
-(prefill of a 32-token prompt included), best of --runs, the two engines taking turns.
+with ignore_eos, prompts of 32 tokens. Output (decode) tok/s = batch * (N - 1) / (time of a
+generate of N tokens - time of one of 1 token), best of --runs, the two engines taking turns;
+by wall time and per CPU-second of this process (robust to waiting for a core on a shared
+machine).
 
 What bounds the ratio: a decode step reads every expert some token of the batch routed to.
 At batch 1 that is 8 experts a layer, as many weights as the dense MLP; at batch 16, with
@@ -66,27 +68,37 @@ def workload(batch: int, output_len: int) -> tuple[list[dict], SamplingParams]:
     return prompts, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 
 
-def timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> float:
-    start = time.perf_counter()
+def timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one generate."""
+    start, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outputs)
-    return elapsed
+    return elapsed, cpu
 
 
-def compare(llms: dict[str, LLM], batch: int, output_len: int, runs: int) -> dict[str, float]:
-    """Output tok/s of each engine, best of `runs`; the engines take turns, so on a shared
-    machine a burst of someone else's load hits both rather than one."""
+def compare(llms: dict[str, LLM], batch: int, output_len: int, runs: int) -> dict[str, tuple[float, float]]:
+    """Decode tok/s of each engine by wall time and by CPU time: batch * (output_len - 1)
+    tokens over the time a generate of output_len tokens takes beyond one of a single token
+    (the prefill and the first token), each the best of `runs`. The engines take turns, so a
+    burst of someone else's load hits both rather than one; CPU time (one thread) leaves
+    out the time the process waited for a core on a shared machine."""
     prompts, params = workload(batch, output_len)
-    best = {name: float("inf") for name in llms}
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    inf = float("inf")
+    best = {name: {"full": (inf, inf), "first": (inf, inf)} for name in llms}
     for llm in llms.values():  # warm-up
         llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
     for _ in range(runs):
         for name, llm in llms.items():
-            best[name] = min(best[name], timed(llm, prompts, params))
+            for part, p in (("first", first), ("full", params)):
+                wall, cpu = timed(llm, prompts, p)
+                best[name][part] = (min(best[name][part][0], wall), min(best[name][part][1], cpu))
     for llm in llms.values():
         llm.llm_engine.assert_no_leaks()
-    return {name: batch * output_len / seconds for name, seconds in best.items()}
+    tokens = batch * (output_len - 1)
+    return {name: (tokens / (b["full"][0] - b["first"][0]), tokens / (b["full"][1] - b["first"][1]))
+            for name, b in best.items()}
 
 
 def main() -> None:
@@ -110,13 +122,15 @@ def main() -> None:
             llms[name] = LLM(str(path), dtype=args.dtype, max_model_len=512, max_num_seqs=max(batches),
                              kv_cache_memory_bytes=64 << 20, skip_tokenizer_init=True)
         by_batch = {b: compare(llms, b, args.output_len, args.runs) for b in batches}
-    results = {name: {b: by_batch[b][name] for b in batches} for name in llms}
-    rows = [[b, results["moe"][b], results["dense"][b], results["moe"][b] / results["dense"][b],
-             expected_experts(b)] for b in batches]
+    rows = []
+    for b in batches:
+        (moe_wall, moe_cpu), (dense_wall, dense_cpu) = by_batch[b]["moe"], by_batch[b]["dense"]
+        rows.append([b, moe_wall, dense_wall, moe_wall / dense_wall, moe_cpu, dense_cpu,
+                     moe_cpu / dense_cpu, expected_experts(b)])
     print(f"{args.dtype}, {args.threads} thread(s), prompt {PROMPT_LEN}, {args.output_len} output tokens, "
           f"best of {args.runs}")
-    print(md_table(["batch", "MoE tok/s", "dense tok/s", "MoE / dense", "experts read / layer"], rows))
-
+    print(md_table(["batch", "MoE tok/s", "dense tok/s", "MoE / dense", "MoE tok/CPU-s",
+                    "dense tok/CPU-s", "MoE / dense (CPU)", "experts read / layer"], rows))
 
 if __name__ == "__main__":
     main()

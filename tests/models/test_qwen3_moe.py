@@ -31,7 +31,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from pagedserve import LLM, SamplingParams
 from pagedserve.models.gguf import _gguf_to_hf_names, load_gguf_config
 from pagedserve.models.layers.moe import FusedMoE, TopKRouter
-from pagedserve.models.loader import load_model
+from pagedserve.models.loader import load_model, weight_bytes
 from pagedserve.models.registry import supported_architectures
 from pagedserve.quantization import QuantizationConfig
 
@@ -94,10 +94,13 @@ def test_moe_block_matches_hf(norm_topk_prob: bool) -> None:
 
 def test_prefill_and_incremental_match_hf(checkpoint: Path) -> None:
     model, config = load_model(checkpoint, torch.float32, torch.device("cpu"))
+    loaded_bytes = weight_bytes(model)
     prompts = prompts_for(config.vocab_size, [23, 1, 40])
     want = hf_eager_logits(checkpoint, prompts)
     for got, exp in zip(PagedRunner(model, 3).step(list(enumerate(prompts))), want, strict=True):
         torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4)
+    # The first forward stacked the experts' GEMV tiles (moe.FusedMoE): moved, not copied.
+    assert weight_bytes(model) == loaded_bytes
     # Request 0 decodes one token a step while request 1 feeds 3-token chunks.
     runner = PagedRunner(model, 2)
     prompts = [prompts[0], prompts[2]]

@@ -118,6 +118,11 @@ class FusedMoE(nn.ModuleList):
     call, without three Python dispatches per projection, which at batch 1 cost as much as
     the expert's 0.4 MB of weights take to stream. They are looked up on the first forward,
     after loading has processed the weights (as the C++ decoder loop captures them).
+
+    At that point the experts' weight buffers (the GEMV tiles the methods derive) also move
+    into one (E, ...) tensor per projection, each expert's buffer a view of it: a batch-16
+    step reads ~56 of 64 experts, and one contiguous block streamed 1.4-1.6x faster than 64
+    separate allocations did (8 layers' expert GEMVs, 2-core EPYC: 22-26 ms against 35-37).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
@@ -128,9 +133,27 @@ class FusedMoE(nn.ModuleList):
 
     def _decode_calls(self) -> list[ExpertCalls | None]:
         if not self.calls:
+            self._stack_buffers()
             ops = gemv.gemv_ops()
             self.calls = [expert.decode_calls(ops) for expert in cast(list[ExpertMLP], self)]
         return self.calls
+
+    def _stack_buffers(self) -> None:
+        """Each projection's buffers, stacked over experts where every expert has the buffer
+        with one shape and dtype; parameters (the loaded weights) stay where they are."""
+        experts = cast(list[ExpertMLP], self)
+        for layers in ([e.gate_up_proj for e in experts], [e.down_proj for e in experts]):
+            buffers = [dict(layer.named_buffers(recurse=False)) for layer in layers]
+            for name in buffers[0]:
+                parts = [t for t in (b.get(name) for b in buffers) if t is not None]
+                first = parts[0]
+                if len(parts) != len(layers) or any(
+                        t.shape != first.shape or t.dtype != first.dtype or t.layout != torch.strided
+                        for t in parts):
+                    continue
+                stacked = torch.stack(parts)
+                for layer, view in zip(layers, stacked.unbind(0), strict=True):
+                    setattr(layer, name, view)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """x (T, hidden), router weights (T, k), expert ids (T, k) -> (T, hidden)."""
