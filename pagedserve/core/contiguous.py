@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from pagedserve.config import KV_ALLOCATIONS
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.kv_manager_base import KVManagerBase
 from pagedserve.request import Request
 
 CONTIGUOUS_KINDS = tuple(k for k in KV_ALLOCATIONS if k.startswith("contiguous-"))
@@ -203,8 +204,10 @@ def _classify(out: MemoryBreakdown, lo: int, hi: int, written: int, final: int) 
     out.internal += (hi - lo) - token - reserved
 
 
-class ContiguousKVCacheManager:
+class ContiguousKVCacheManager(KVManagerBase):
     """One contiguous region per sequence; same interface as `KVCacheManager`."""
+
+    pool: ExtentPool
 
     def __init__(self, num_blocks: int, block_size: int, kind: str, max_model_len: int) -> None:
         if kind not in CONTIGUOUS_KINDS:
@@ -221,22 +224,6 @@ class ContiguousKVCacheManager:
         self._pending_copies: dict[str, list[tuple[int, int]]] = {}
         self.num_reallocations = 0
         self.num_copied_blocks = 0
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.pool.num_used_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.pool.usage
 
     def get_block_table(self, seq_id: str) -> list[int]:
         region = self.regions.get(seq_id)

@@ -23,6 +23,7 @@ import hashlib
 from array import array
 
 from pagedserve.core.block_pool import BlockPool
+from pagedserve.core.kv_manager_base import KVManagerBase
 from pagedserve.request import Request
 
 _HASH_VERSION = b"pagedserve-kv-v1"
@@ -42,11 +43,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
+class KVCacheManager(KVManagerBase):
     """Owns every sequence's block table; asks the block pool for blocks and references.
 
     Implements `core.protocols.KVManager`, the scheduler's view of it.
     """
+
+    pool: BlockPool
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_caching: bool = False, num_swap_blocks: int = 0
@@ -62,22 +65,6 @@ class KVCacheManager:
         # Per sequence: hashes of its full blocks so far, and how many are published.
         self._hashes: dict[str, list[bytes]] = {}
         self._num_published: dict[str, int] = {}
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.pool.num_used_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.pool.usage
 
     def get_block_table(self, seq_id: str) -> list[int]:
         return self.block_tables.get(seq_id, [])
@@ -96,16 +83,7 @@ class KVCacheManager:
         cached_blocks: list[int] | None = None,
         request: Request | None = None,
     ) -> bool:
-        """Makes room for `num_new_tokens` K/V entries after `num_computed_tokens`.
-
-        Args:
-            cached_blocks: prefix-cache hits (from `find_cached_prefix`) for a sequence with
-                no blocks yet; they hold its first `num_computed_tokens` tokens.
-            request: the request itself; paging needs only the counts, but the contiguous
-                baselines size their reservation from its prompt and output budget.
-        Returns:
-            False, changing nothing, if the pool has too few free blocks; True otherwise.
-        """
+        """See `KVManagerBase.allocate_slots`; a prefix hit's blocks are shared, not copied."""
         cached_blocks = cached_blocks or []
         needed = self.blocks_needed(seq_id, num_computed_tokens, num_new_tokens) - len(cached_blocks)
         # Hits on evictable blocks take them out of the free queue too.

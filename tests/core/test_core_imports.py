@@ -15,6 +15,7 @@ CORE_MODULES = [
     "pagedserve.core.protocols",
     "pagedserve.core.batching",
     "pagedserve.core.contiguous",
+    "pagedserve.core.kv_manager_base",
     "pagedserve.config",
 ]
 
