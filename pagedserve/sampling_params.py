@@ -199,19 +199,19 @@ class SamplingParams:
             raise bad("min_tokens", "an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not -1 <= self.logprobs <= 20):
-            raise bad("logprobs", "an integer in [0, 20], or -1 for the whole vocabulary", self.logprobs)
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or not -1 <= self.prompt_logprobs <= 20
-        ):
-            raise bad("prompt_logprobs", "an integer in [0, 20], or -1 for the whole vocabulary", self.prompt_logprobs)
+        # No fixed upper bound: the server's --max-logprobs caps a request, the vocabulary
+        # caps every one (validate_vocab).
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(self, name)
+            if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < -1):
+                raise bad(name, "an integer >= 0, or -1 for the whole vocabulary", count)
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX
         ):
             raise bad("seed", f"an integer in [{SEED_MIN}, {SEED_MAX}]", self.seed)
         if any(not isinstance(s, str) or not s for s in self._stop_list):
             raise bad("stop", "a non-empty string or a list of non-empty strings", self.stop)
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
         if self.logit_bias is not None:
             for token_id, bias in self.logit_bias.items():
@@ -289,7 +289,11 @@ class SamplingParams:
         )
 
     def validate_vocab(self, vocab_size: int) -> None:
-        """Checks the fields that refer to token ids against the model's vocabulary."""
+        """Checks the fields that refer to token ids or count tokens against the model's vocabulary."""
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(self, name)
+            if count is not None and count > vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size ({vocab_size}), got {count}.")
         for token_id in self.allowed_token_ids or []:
             if token_id >= vocab_size:
                 raise ValueError(f"allowed_token_ids contains {token_id}, outside the vocabulary (size {vocab_size}).")

@@ -119,11 +119,11 @@ class InputProcessor:
             raise InputError("priority: request priorities need scheduling_policy='priority' "
                              "(--scheduling-policy priority)", "priority")
         prompt_text, token_ids = self.tokenize(prompt)
-        token_ids = self._truncate_prompt(token_ids, params.truncate_prompt_tokens)
+        token_ids = self.truncate_prompt(token_ids, params.truncate_prompt_tokens)
         bad_words = self._bad_words_token_ids(params.bad_words)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InputError("cache_salt must be a string", "cache_salt")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InputError("cache_salt must be a non-empty string", "cache_salt")
         params.validate_vocab(self.vocab_size)
         self.validate_prompt(token_ids)
         if params.num_samples > params.n and params.output_kind == "delta":
@@ -238,8 +238,12 @@ class InputProcessor:
             return params
         return replace(params, stop_token_ids=[*stop_ids, *extra])
 
-    def _truncate_prompt(self, token_ids: list[int], keep: int | None) -> list[int]:
-        """truncate_prompt_tokens: the last `keep` tokens (-1: all that leave room for one output)."""
+    def truncate_prompt(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens: the last `keep` tokens (-1: all that leave room for one output).
+
+        Idempotent, so the server may cut a prompt first (its usage and length checks count
+        the kept tokens) and `process` cut it again to the same list.
+        """
         if keep is None:
             return token_ids
         keep = self.max_model_len - 1 if keep == -1 else keep

@@ -127,7 +127,7 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
                             "cache")
     group.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, metavar="N",
                        help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for; more is a "
-                            f"400 naming the field (default {MAX_LOGPROBS}, also the most implemented; -1: that most)")
+                            f"400 naming the field (default {MAX_LOGPROBS}; -1: up to the vocabulary size)")
     group.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES, metavar="N",
                        help="/v1/responses with store (the default): keep this many responses in memory for "
                             "previous_response_id, evicting the oldest first (default "

@@ -40,7 +40,8 @@ from pydantic import (
 
 from pagedserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
 
-# OpenAI allows up to 20 top logprobs; the engine's sampler returns at most that many.
+# vLLM's default --max-logprobs (OpenAI's own cap on top_logprobs). The schema sets no upper
+# bound: the server's --max-logprobs does (api_server.check_max_logprobs), then the vocabulary.
 MAX_LOGPROBS = 20
 # n and best_of are sequences the engine runs at once for one prompt; keep one call bounded.
 MAX_SAMPLES = 128
@@ -219,6 +220,14 @@ class SamplingRequest(StrictRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's extras that shape the output or the prompt (issue #37.6)
+    prompt_logprobs: int | None = Field(None, ge=0)  # each prompt token's logprob and its top k
+    bad_words: list[NonEmptyText] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    # Keep only the prompt's last k tokens (-1: as many as leave room to generate).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # Prefix-cache isolation: requests share cached blocks only when their salts are equal.
+    cache_salt: NonEmptyText | None = None
 
     def output_constraint(self) -> tuple[StructuredOutputsParams, str] | None:
         """(constraint, the field it came from), or None; ValueError naming the field."""
@@ -281,6 +290,9 @@ class SamplingRequest(StrictRequest):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=_logit_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             output_kind="final_only" if ranked else "delta",
             structured_outputs=constraint[0] if constraint is not None else None,
         )
@@ -320,10 +332,8 @@ class CompletionRequest(SamplingRequest):
     # 0 only with echo: score the prompt without generating (lm-evaluation-harness, vLLM).
     max_tokens: int | None = Field(16, ge=0)
     best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
-    # vLLM extra: each prompt token's logprob and the top k, in `choices[i].prompt_logprobs`.
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class TextPart(StrictRequest):
@@ -399,7 +409,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -597,6 +607,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
+    # vLLM's: with prompt_logprobs, each prompt token's record (None for the first).
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -33,6 +33,7 @@ from pagedserve.server.protocol import StrictRequest
 logger = logging.getLogger(__name__)
 
 _NOT_IMPLEMENTED = "is not implemented by this server"
+_ONLY_COMPLETIONS = "is served on /v1/completions and /v1/chat/completions only"
 
 # field path -> (why it is refused, values at which it is harmless and accepted)
 REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
@@ -45,13 +46,16 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "function_call": (f"the deprecated functions API {_NOT_IMPLEMENTED}; send tool_choice", ()),
     "verbosity": (f"verbosity {_NOT_IMPLEMENTED}", ()),
     # vLLM's sampling and prompt extras
-    "use_beam_search": (f"beam search {_NOT_IMPLEMENTED}", (False,)),
-    "length_penalty": (f"length_penalty (beam search) {_NOT_IMPLEMENTED}", (1.0, 1)),
-    "bad_words": (f"bad_words {_NOT_IMPLEMENTED}", ([],)),
-    "allowed_token_ids": (f"allowed_token_ids {_NOT_IMPLEMENTED}", ()),
-    "truncate_prompt_tokens": (f"prompt truncation {_NOT_IMPLEMENTED} for generation", ()),
-    "prompt_logprobs": (f"prompt_logprobs {_NOT_IMPLEMENTED} on chat (only on /v1/completions)", ()),
-    "cache_salt": (f"prefix-cache isolation per salt {_NOT_IMPLEMENTED}", ()),
+    "use_beam_search": ("beam search runs offline only (LLM.beam_search): the serving engine has no beam "
+                        "path", (False,)),
+    "length_penalty": ("length_penalty (beam search) runs offline only (LLM.beam_search)", (1.0, 1)),
+    # Served on /v1/completions and /v1/chat/completions (declared there, so never seen
+    # here); any other route that receives them refuses them.
+    "bad_words": (f"bad_words {_ONLY_COMPLETIONS}", ([],)),
+    "allowed_token_ids": (f"allowed_token_ids {_ONLY_COMPLETIONS}", ()),
+    "truncate_prompt_tokens": (f"truncate_prompt_tokens {_ONLY_COMPLETIONS} and /v1/embeddings", ()),
+    "prompt_logprobs": (f"prompt_logprobs {_ONLY_COMPLETIONS}", ()),
+    "cache_salt": (f"cache_salt {_ONLY_COMPLETIONS}", ()),
     "logits_processors": (f"per-request logits processors {_NOT_IMPLEMENTED}", ()),
     "spaces_between_special_tokens": (f"spaces_between_special_tokens=false {_NOT_IMPLEMENTED}", (True,)),
     "add_special_tokens": (f"add_special_tokens {_NOT_IMPLEMENTED} on generation routes", ()),

@@ -54,6 +54,7 @@ from pagedserve.server.serving_common import (
     submit,
     token_text,
 )
+from pagedserve.server.serving_completion import prompt_logprobs_out, salt
 from pagedserve.server.tool_calls import ToolMode, adapt_to_template
 from pagedserve.structured_outputs.reasoning import after_reasoning
 
@@ -106,11 +107,13 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     _check_fields(body)
     tools = ToolMode.for_request(ctx, body)
     prompt_text, prompt_ids = await render_chat(ctx, body)
+    # truncate_prompt_tokens: usage and the context-length check count the kept tokens.
+    prompt_ids = ctx.processor.truncate_prompt(prompt_ids, body.truncate_prompt_tokens)
     parsing = OutputParsing(tools, get_reasoning_parser(ctx.reasoning_parser) if ctx.reasoning_parser else None,
                             prompt_text, template_kwargs(ctx, body))
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = make_params(body, max_tokens, logprobs, ctx.sampling_defaults)
+    params = make_params(body, max_tokens, logprobs, ctx.sampling_defaults, body.prompt_logprobs)
     constraint = body.output_constraint()
     param = constraint[1] if constraint is not None else None
     if tools.constraint is not None:
@@ -121,7 +124,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         param = "tools"
     params = _constrain_after_reasoning(ctx, params, parsing)
     await compile_constraint(ctx, params, param)
-    prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids}
+    prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids, **salt(body)}
     inputs = await process(ctx, body, [prompt], params, max_tokens, "messages")
     group = await submit(ctx, body, inputs, arrival, lora)
     request_id = random_id("chatcmpl")
@@ -135,6 +138,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     response = _response(body, model, request_id, prompt_ids, collected, parsing)
     response.usage.prompt_tokens_details = cached_details(ctx.enable_prompt_tokens_details,
                                                           collected.choices[0].num_cached_tokens)
+    if body.prompt_logprobs is not None:
+        response.prompt_logprobs = prompt_logprobs_out(collected.choices[0].prompt_logprobs)
     return JSONResponse(response.model_dump())
 
 
@@ -160,6 +165,8 @@ def _check_fields(body: ChatCompletionRequest) -> None:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options can only be set when stream is true", "stream_options")
+    if body.stream and body.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs are not available when stream is enabled", "prompt_logprobs")
 
 
 def _logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int, as_ids: bool = False) -> ChatLogprobs:

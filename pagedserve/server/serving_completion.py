@@ -18,6 +18,7 @@ from pagedserve.engine.async_engine import RequestGroup
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import (
+    ChatCompletionRequest,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -58,7 +59,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_req
     # Resolved once, now: an unload meanwhile makes the submission a 404, never the base model.
     lora = ctx.lora_for(model)
     _check_fields(body)
-    prompts = await _prompts(ctx, body, body.prompt)
+    prompts = _truncated(ctx, body, await _prompts(ctx, body, body.prompt))
     num_samples = body.best_of or body.n
     if len(prompts) * num_samples > MAX_ENGINE_REQUESTS:
         raise APIError(400, f"n: prompts x samples must be <= {MAX_ENGINE_REQUESTS}", "n")
@@ -67,7 +68,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_req
     params = make_params(body, max_tokens, body.logprobs, ctx.sampling_defaults, _engine_prompt_logprobs(body))
     constraint = body.output_constraint()
     await compile_constraint(ctx, params, constraint[1] if constraint is not None else None)
-    engine_prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts]
+    engine_prompts = [{"prompt": text, "prompt_token_ids": ids, **salt(body)} for text, ids in prompts]
     inputs = await process(ctx, body, engine_prompts, params, max_tokens, "prompt")
     group = await submit(ctx, body, inputs, arrival, lora)
     request_id = random_id("cmpl")
@@ -90,6 +91,26 @@ def _check_fields(body: CompletionRequest) -> None:
         raise APIError(400, "max_tokens must be >= 1 (0 only with echo=true, to score the prompt)", "max_tokens")
     if body.stream and body.prompt_logprobs is not None:
         raise APIError(400, "prompt_logprobs are not available when stream is enabled", "prompt_logprobs")
+
+
+def _truncated(ctx: ServerContext, body: CompletionRequest, prompts: list[Prompt]) -> list[Prompt]:
+    """truncate_prompt_tokens, cut here so that usage, echo and the context-length check see
+    the kept tokens only (vLLM's); a cut prompt's text is no longer what runs, so echo
+    decodes the kept ids instead."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return prompts
+    kept_prompts: list[Prompt] = []
+    for text, ids in prompts:
+        kept = ctx.processor.truncate_prompt(ids, keep)
+        kept_prompts.append((text if len(kept) == len(ids) else None, kept))
+    return kept_prompts
+
+
+def salt(body: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    """The engine prompt's cache_salt entry: requests share prefix-cache blocks only when
+    their salts are equal (the salt seeds the block hash chain)."""
+    return {"cache_salt": body.cache_salt} if body.cache_salt is not None else {}
 
 
 def _echo_only(body: CompletionRequest) -> bool:
@@ -154,7 +175,9 @@ def _decode_one(ctx: ServerContext, token_id: int) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
 
 
-def _prompt_logprobs_out(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+def prompt_logprobs_out(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's `prompt_logprobs` (completions' choices, chat's response): per prompt token,
+    None for the first (nothing predicts it), else its token and the top k by token id."""
     if entries is None:
         return None
     return [
@@ -194,7 +217,7 @@ def _response(
             text=prefix + state.full_text,
             logprobs=_choice_logprobs(ctx, body, prompt[1], state.prompt_logprobs, state.token_ids,
                                       state.logprobs, len(prefix)),
-            prompt_logprobs=_prompt_logprobs_out(state.prompt_logprobs) if body.prompt_logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs_out(state.prompt_logprobs) if body.prompt_logprobs is not None else None,
             finish_reason=state.finish_reason,
             stop_reason=state.stop_reason,
             prompt_token_ids=prompt[1] if body.return_token_ids else None,
