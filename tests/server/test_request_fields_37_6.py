@@ -191,6 +191,9 @@ def test_truncate_prompt_tokens(server: LiveServer, client: openai.OpenAI, token
     out = _complete(client, PROMPT, truncate_prompt_tokens=6)
     assert out.usage.prompt_tokens == 6 == len(kept)
     assert out.choices[0].token_ids == _hf_greedy(server.model_path, kept, NEW)
+    echoed = client.completions.create(model=TEST_MODEL, prompt=PROMPT, max_tokens=1, echo=True,
+                                       extra_body={"truncate_prompt_tokens": 6})
+    assert echoed.choices[0].text.startswith(tokenizer.decode(kept)) and echoed.usage.prompt_tokens == 6
     chat_kept = _chat_ids(tokenizer, MESSAGES)[-9:]
     chat = client.chat.completions.create(
         model=TEST_MODEL, messages=MESSAGES, max_tokens=NEW, temperature=0,
