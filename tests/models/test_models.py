@@ -22,8 +22,8 @@ from transformers import (
     Qwen2Config,
 )
 
-from pagedserve.attention.backend import get_attention_backend
 from pagedserve.attention.metadata import CommonAttentionMetadata
+from pagedserve.attention.selector import get_attention_backend
 from pagedserve.models.layers.attention import Attention
 from pagedserve.models.loader import load_model
 
