@@ -92,6 +92,10 @@ def test_prompt_logprobs_of_a_sample_group_and_a_stream(reference):
 
 
 def test_prompt_logprobs_field_is_validated():
-    for bad in (-2, 21, 1.5):
+    for bad in (-2, 1.5):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+    # No fixed cap at 20 (the server's --max-logprobs caps requests): the vocabulary does.
+    SamplingParams(prompt_logprobs=21).validate_vocab(1024)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=1025).validate_vocab(1024)
