@@ -173,7 +173,7 @@ def test_too_long_prompt_is_rejected_and_engine_goes_on(llm, prompts):
     "field,value",
     [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -5), ("min_p", 2.0), ("max_tokens", 0),
      ("min_tokens", -1), ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
-     ("logprobs", 50), ("stop", [""]), ("stop_token_ids", [-1]), ("n", 0), ("seed", "x")],
+     ("logprobs", -2), ("stop", [""]), ("stop_token_ids", [-1]), ("n", 0), ("seed", "x")],
 )
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
