@@ -12,9 +12,9 @@ Errors the chat pipeline raises name chat fields; `run_chat` renames them to the
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -90,3 +90,24 @@ async def _chunks(body: AsyncIterable[Any]) -> AsyncIterator[dict[str, Any]]:
 
 def stream_response(events: AsyncIterator[str], answer: ChatAnswer) -> Response:
     return StreamingResponse(events, media_type="text/event-stream", background=answer.background)
+
+
+class DeltaSink(Protocol):
+    """What a route makes of a chat stream's pieces: its own events (SSE lines) for each."""
+
+    def reasoning(self, delta: str) -> list[str]: ...
+    def text(self, delta: str) -> list[str]: ...
+    def call(self, delta: dict[str, Any]) -> list[str]: ...
+
+
+def delta_events(choice: dict[str, Any], sink: DeltaSink) -> Iterator[str]:
+    """One chat stream choice's delta as the sink's events: reasoning, then text, then tool calls
+    (the order the chat route sends them in)."""
+    delta = choice["delta"]
+    reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+    if reasoning:
+        yield from sink.reasoning(reasoning)
+    if delta.get("content"):
+        yield from sink.text(delta["content"])
+    for call in delta.get("tool_calls") or []:
+        yield from sink.call(call)

@@ -28,7 +28,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
-from pagedserve.server.chat_adapter import ChatAnswer, chat_request, run_chat, stream_response
+from pagedserve.server.chat_adapter import (
+    ChatAnswer,
+    chat_request,
+    delta_events,
+    run_chat,
+    stream_response,
+)
 from pagedserve.server.errors import APIError, _validation_message, known_failure, log_client_error
 from pagedserve.server.protocol_messages import (
     CountTokensRequest,
@@ -205,7 +211,7 @@ class _Blocks:
         out = self._start(("text", -1), {"type": "text", "text": ""})
         return [*out, _event("content_block_delta", index=self.count - 1, delta={"type": "text_delta", "text": delta})]
 
-    def thinking(self, delta: str) -> list[str]:
+    def reasoning(self, delta: str) -> list[str]:  # a thinking block
         out = self._start(("thinking", -1), {"type": "thinking", "thinking": "", "signature": ""})
         return [*out, _event("content_block_delta", index=self.count - 1,
                              delta={"type": "thinking_delta", "thinking": delta})]
@@ -251,17 +257,8 @@ async def _stream(
             return
         usage = chunk.get("usage") or usage
         for choice in chunk["choices"]:
-            delta = choice["delta"]
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if reasoning:
-                for line in blocks.thinking(reasoning):
-                    yield line
-            if delta.get("content"):
-                for line in blocks.text(delta["content"]):
-                    yield line
-            for call in delta.get("tool_calls") or []:
-                for line in blocks.call(call):
-                    yield line
+            for line in delta_events(choice, blocks):
+                yield line
             if choice.get("finish_reason"):
                 finish_reason, stop_reason = choice["finish_reason"], choice.get("stop_reason")
     for line in blocks.close():

@@ -24,7 +24,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedserve.server.chat_adapter import ChatAnswer, chat_request, run_chat, stream_response
+from pagedserve.server.chat_adapter import (
+    ChatAnswer,
+    chat_request,
+    delta_events,
+    run_chat,
+    stream_response,
+)
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import now_s
 from pagedserve.server.protocol_responses import (
@@ -312,17 +318,8 @@ async def _stream(
             return
         usage = chunk.get("usage") or usage
         for choice in chunk["choices"]:
-            delta = choice["delta"]
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if reasoning:
-                for line in events.reasoning(reasoning):
-                    yield line
-            if delta.get("content"):
-                for line in events.text(delta["content"]):
-                    yield line
-            for call in delta.get("tool_calls") or []:
-                for line in events.call(call):
-                    yield line
+            for line in delta_events(choice, events):
+                yield line
             finish_reason = choice.get("finish_reason") or finish_reason
     for line in events.close():
         yield line
