@@ -758,6 +758,45 @@ void int4_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tens
   });
 }
 
+// ---- channel tiles back to float32 weights (the GEMM path of a GGUF layer's prefill) -----
+//
+// W^T (K, N) float32 from channel tiles: per k the 16 channels of a tile are one contiguous
+// run of the output, so each (tile, k) is two vector stores. q * s + l0 by one FMA (q * s is
+// exact, so this is gguf's d * q - dm, one rounding), or (q - center) * s (exact difference,
+// one rounding). Threads take tiles.
+template <class Load, class Param, bool Centered>
+void dequant_tiles_impl(const at::Tensor& q, const at::Tensor& sz, float center, at::Tensor& wt) {
+  const int64_t tiles = q.size(0), K = q.size(1), N = tiles * kTile, groups = sz.size(1), group = K / groups;
+  const int64_t per_group = Centered ? kTile : 2 * kTile;
+  const auto* qd = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  const auto* szd = reinterpret_cast<const Param*>(sz.data_ptr());
+  float* out = wt.data_ptr<float>();
+  const __m256 c = _mm256_set1_ps(center);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const Load load{reinterpret_cast<decltype(Load::w)>(qd + t * K * Load::kBytesPerK)};
+      for (int64_t g = 0; g < groups; ++g) {
+        __m256 s0, s1, l0 = _mm256_setzero_ps(), l1 = l0;
+        const Param* p = szd + (t * groups + g) * per_group;
+        if constexpr (Centered) load_param16(p, s0, s1);
+        else group_affine(p, s0, s1, l0, l1);
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+          __m256 lo, hi;
+          load(k, lo, hi);
+          float* o = out + k * N + t * kTile;
+          if constexpr (Centered) {
+            _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_sub_ps(lo, c), s0));
+            _mm256_storeu_ps(o + 8, _mm256_mul_ps(_mm256_sub_ps(hi, c), s1));
+          } else {
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(lo, s0, l0));
+            _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(hi, s1, l1));
+          }
+        }
+      }
+    }
+  });
+}
+
 // ---- group-wise int8 weights x int8 activations ("quad tiles", llama.cpp's q8_0 x q8_0) ----
 //
 // Each row of x is quantized per block of 32 columns (llama.cpp's quantize_row_q8_0, but the
@@ -1116,6 +1155,52 @@ at::Tensor gemv_int4_grouped(const at::Tensor& x_in, const at::Tensor& q, const 
   });
 }
 
+// W^T (K, N) float32 of the GEMV ops' channel tiles: int8 (N/16, K, 16) with float16 scales or
+// float32 (s, l0) pairs; uint8 4 / 5 / 6-bit tiles with (d, m) / (s, l0) pairs or centered scales.
+at::Tensor gemv_dequant_tiles(const at::Tensor& q, const at::Tensor& sz) {
+  const char* op = "gemv_dequant_tiles";
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && sz.is_contiguous() && sz.dim() >= 3 && sz.size(0) == q.size(0) &&
+                  sz.size(1) > 0 && q.size(1) % sz.size(1) == 0 && (q.size(1) / sz.size(1)) % 16 == 0,
+              op, ": q (N/16, K, bytes) and parameters (N/16, K/group, ...) contiguous, groups of 16 k or more");
+  at::Tensor wt = at::empty({q.size(1), q.size(0) * kTile}, q.options().dtype(at::kFloat));
+#if defined(PAGEDSERVE_AVX2)
+  const auto kind = sz.scalar_type();
+  const bool centered = sz.dim() == 3;
+  TORCH_CHECK(sz.size(-1) == kTile && (centered || sz.size(2) == 2), op, ": parameters (.., 16) or (.., 2, 16)");
+  if (q.scalar_type() == at::kChar) {
+    TORCH_CHECK((centered && kind == at::kHalf) || (!centered && kind == at::kFloat), op,
+                ": int8 tiles take float16 scales or float32 (s, l0) pairs");
+    if (centered) dequant_tiles_impl<ChanI8, c10::Half, true>(q, sz, 0.0f, wt);
+    else dequant_tiles_impl<ChanI8, float, false>(q, sz, 0.0f, wt);
+    return wt;
+  }
+  const int64_t nbytes = q.size(2);
+  TORCH_CHECK(q.scalar_type() == at::kByte && (nbytes == 8 || nbytes == 10 || nbytes == 12), op,
+              ": uint8 tiles of 8, 10 or 12 bytes per k");
+  const int bits = static_cast<int>(4 + (nbytes - 8) / 2);
+  const float center = static_cast<float>(1 << (bits - 1));
+  TORCH_CHECK(kind == at::kHalf || kind == at::kFloat || (kind == at::kBFloat16 && bits == 4 && !centered), op,
+              ": parameters float16 / float32 (bfloat16: 4-bit pairs)");
+  auto run = [&](auto param, auto load) {
+    using P = decltype(param);
+    using L = decltype(load);
+    if (centered) dequant_tiles_impl<L, P, true>(q, sz, center, wt);
+    else dequant_tiles_impl<L, P, false>(q, sz, center, wt);
+  };
+  auto by_width = [&](auto param) {
+    if (bits == 4) run(param, ChanI4{});
+    else if (bits == 5) run(param, ChanBits<5>{});
+    else run(param, ChanBits<6>{});
+  };
+  if (kind == at::kBFloat16) dequant_tiles_impl<ChanI4, bf16, false>(q, sz, 0.0f, wt);
+  else if (kind == at::kHalf) by_width(c10::Half{});
+  else by_width(float{});
+#else
+  TORCH_CHECK(false, op, ": this build has no AVX2/FMA support");
+#endif
+  return wt;
+}
+
 bool available() {
 #if defined(PAGEDSERVE_AVX2)
   return true;
@@ -1134,6 +1219,7 @@ TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
   m.def("gemv_int8_grouped(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
   m.def("gemv_int4_grouped(Tensor x, Tensor q, Tensor scales_zeros, Tensor? bias) -> Tensor");
   m.def("gemv_int8_q8(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("gemv_dequant_tiles(Tensor q, Tensor scales) -> Tensor");
   m.def("available() -> bool", &available);
   m.def("max_rows() -> int", &max_rows);
   m.impl("gemv_dense", c10::DispatchKey::CPU, &gemv_dense);
@@ -1141,4 +1227,5 @@ TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
   m.impl("gemv_int8_grouped", c10::DispatchKey::CPU, &gemv_int8_grouped);
   m.impl("gemv_int4_grouped", c10::DispatchKey::CPU, &gemv_int4_grouped);
   m.impl("gemv_int8_q8", c10::DispatchKey::CPU, &gemv_int8_q8);
+  m.impl("gemv_dequant_tiles", c10::DispatchKey::CPU, &gemv_dequant_tiles);
 }

@@ -7,8 +7,10 @@
                      kernel or torch's CPU int8 kernel, bf16 activations
     int4.py          group-wise affine int4 (a scale and a zero per group, like Q4_1),
                      the decode GEMV kernel (AVX2) or torch's CPU int4 kernel + bf16 GEMM
-    gguf_blocks.py   "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks loaded as they are into
-                     the int8 (group 32) / int4 methods
+    gguf_decode.py   a GGUF file's quantized blocks -> integers and per-group float parameters,
+                     exactly (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
+    gguf_blocks.py   "gguf" (the default for a quantized .gguf file): those numbers served as
+                     they are, in int4 / 5- / 6-bit / int8 channel tiles
     kv_int8.py       int8 K/V rows with a per-token-per-head float32 scale
 
 The loader (models/loader.py) attaches a method to every linear layer of the base model

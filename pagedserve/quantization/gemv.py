@@ -288,3 +288,11 @@ def int4_grouped(
     rows. With `pack_bits` tiles of 5 / 6 bits, (d, m) pairs or (out/16, in / g, 16) scales
     alone of W = (q - 2^(bits-1)) * scale (a GGUF file's Q5_0 / Q6_K)."""
     return _ops().gemv_int4_grouped(x, tiles, scales_zeros, bias)
+
+
+def dequant_tiles(tiles: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """W^T (in, out) float32 of channel tiles (int8 with float16 scales or (s, l0) pairs; 4 / 5
+    / 6-bit with their pairs or centered scales), the exact weights: the GEMM path of a GGUF
+    layer's prefill (one C++ pass, where the torch unpacking took longer than the GEMM)."""
+    return _ops().gemv_dequant_tiles(tiles, params)
+

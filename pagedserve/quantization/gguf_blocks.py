@@ -30,7 +30,6 @@ import functools
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.quantization import gemv
@@ -38,7 +37,6 @@ from pagedserve.quantization.base import LinearCall, LinearMethod, add_bias, lin
 from pagedserve.quantization.gguf_decode import BLOCKS, FOUR_BIT, HALF_SCALES, decode
 from pagedserve.quantization.int4 import Int4LinearMethod
 from pagedserve.quantization.int8_grouped import Int8GroupedLinearMethod
-from pagedserve.quantization.packed import onednn_packs
 
 BLOCK = 32
 
@@ -259,11 +257,9 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
                 return gemv.int4_grouped(x, tiles, params, bias)
             if rows <= self.decode_max_rows(layer):
                 return gemv.in_chunks(gemv.int4_grouped, x, tiles, params, bias)
-        # As int8_grouped: float32 GEMMs for bf16 x where the CPU has no bf16 GEMM (AVX2).
-        compute = torch.float32 if x.dtype == torch.bfloat16 and not onednn_packs(torch.bfloat16) else x.dtype
-        x2 = x.reshape(-1, x.shape[-1]).to(compute)
-        outs = [F.linear(x2, w) for w in _bits_blocks(layer, compute)]
-        y = add_bias((outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(x.dtype), layer)
+        # More rows: the exact weights in float32 (one C++ pass), a float32 GEMM, y in x's dtype.
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        y = add_bias((x2 @ gemv.dequant_tiles(tiles, params)).to(x.dtype), layer)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -146,3 +146,14 @@ def test_kernel_refuses_malformed_parameters():
         gemv.int8_grouped(x, q, torch.zeros(1, 8, 2, 16), None)
     with pytest.raises(RuntimeError, match="5 / 6 bits"):
         gemv.int4_grouped(x, torch.zeros(1, 64, 9, dtype=torch.uint8), torch.zeros(1, 2, 16), None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtypes", CASES, ids="+".join)
+def test_tiles_dequantize_in_cpp_to_the_files_values(qtypes: tuple[str, ...]):
+    """`gemv.dequant_tiles` (a prefill's GEMM weights) gives gguf.dequantize's numbers."""
+    layer, want_w = _layer(qtypes, bias=False)
+    params = getattr(layer, "scale_tiles", None)
+    if params is None:
+        params = layer.scales_zeros_tiles
+    assert torch.equal(gemv.dequant_tiles(layer.qweight_tiles, params).t(), want_w)

@@ -1,7 +1,10 @@
 """Every GGUF tensor type the `gguf` package dequantizes loads: one small random file per type
 (every matrix, embedding and head included, in that type), greedy token for token equal to
-transformers loading the same file in float32 (its GGUF loader dequantizes with gguf, as we
-do for a type no kernel serves); one log line per load says what dequantizing cost.
+transformers loading the same file in float32 (its GGUF loader dequantizes with gguf). By
+default the linear layers of Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS files are served
+from the file's own blocks (quantization/gguf_decode.py: the same numbers), so those cases
+test the native kernels end to end; the other types are dequantized at load, and one log
+line per load says what dequantizing cost.
 
 Types `gguf.quants.quantize` cannot produce (K-quants, I-quants, NVFP4) are written as random
 blocks (tests/gguf_utils.py: `random_blocks`): any bytes are a valid block once its scales are
