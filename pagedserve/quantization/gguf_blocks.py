@@ -94,6 +94,15 @@ def from_gguf_q4_1(raw: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Ten
     return _nibbles(blocks, 4, shape), d.t().contiguous(), (m + 8 * d).t().contiguous()
 
 
+def _exact_gemm(layer: nn.Module, x: torch.Tensor, tiles: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """x (..., in) @ W^T (+ b) for more rows than the GEMV ops take: the layer's exact weights
+    in float32 from one C++ pass over its tiles (`gemv.dequant_tiles`), a float32 GEMM, y in
+    x's dtype (the torch unpacking of the tiles took longer than the GEMM)."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    y = add_bias((x2 @ gemv.dequant_tiles(tiles, params)).to(x.dtype), layer)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 # ---- linear methods that load a GGUF file's blocks ---------------------------------------
 
 # The GGUF types of a linear weight served natively (quantization/gguf_decode.py).
@@ -167,6 +176,12 @@ class GGUFInt8Method(_GGUFBlocks, Int8GroupedLinearMethod):
         layer.register_buffer("qweight_tiles", tiles)
         layer.register_buffer("scale_tiles", scales)
 
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        tiles = getattr(layer, "qweight_tiles", None)
+        if tiles is not None and gemv.rows_of(x) > self.decode_max_rows(layer):
+            return _exact_gemm(layer, x, tiles, layer.scale_tiles)
+        return super().apply(layer, x)
+
 
 class GGUFInt4Method(_GGUFBlocks, Int4LinearMethod):
     """Q4_0 / Q4_1 / Q4_K blocks as affine int4 (group 32), W = q * d + m: q, d and m as
@@ -192,6 +207,12 @@ class GGUFInt4Method(_GGUFBlocks, Int4LinearMethod):
         s = torch.cat([d.scale for d in decoded]).t().contiguous()
         l0 = torch.cat([d.level0 for d in decoded if d.level0 is not None]).t().contiguous()
         self.set_quantized_gguf(layer, q, s, l0)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        tiles = getattr(layer, "qweight_tiles", None)
+        if tiles is not None and gemv.rows_of(x) > self.decode_max_rows(layer):
+            return _exact_gemm(layer, x, tiles, layer.scales_zeros_tiles)
+        return super().apply(layer, x)
 
 
 # Types of at most 6 bits that `GGUFBitsMethod` holds in 5- or 6-bit tiles; CENTERED ones are
@@ -257,10 +278,7 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
                 return gemv.int4_grouped(x, tiles, params, bias)
             if rows <= self.decode_max_rows(layer):
                 return gemv.in_chunks(gemv.int4_grouped, x, tiles, params, bias)
-        # More rows: the exact weights in float32 (one C++ pass), a float32 GEMM, y in x's dtype.
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        y = add_bias((x2 @ gemv.dequant_tiles(tiles, params)).to(x.dtype), layer)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return _exact_gemm(layer, x, tiles, params)
 
 
 def _bits_blocks(layer: nn.Module, dtype: torch.dtype) -> Iterator[torch.Tensor]:
