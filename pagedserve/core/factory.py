@@ -7,24 +7,39 @@ of manager implement `core.protocols.KVManager`, the scheduler's only view of th
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pagedserve.config import BATCHING_POLICIES, KV_ALLOCATIONS, CacheConfig, SchedulerConfig
+from pagedserve.core.hybrid_kv_manager import HybridKVCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_groups import KVGroupPlan
 from pagedserve.core.protocols import AdapterResidency, KVManager
 from pagedserve.core.scheduler import PreemptionPolicy, Scheduler, SchedulerLimits
 
 if TYPE_CHECKING:
     from pagedserve.core.contiguous import ContiguousKVCacheManager
 
+logger = logging.getLogger(__name__)
 
 
 def build_kv_manager(
-    cache: CacheConfig, num_blocks: int, max_model_len: int, num_swap_blocks: int = 0
-) -> KVCacheManager | ContiguousKVCacheManager:
-    """The concrete manager (the engine also reads its pool for stats and LoRA placement)."""
+    cache: CacheConfig, num_blocks: int, max_model_len: int, num_swap_blocks: int = 0,
+    groups: KVGroupPlan | None = None,
+) -> KVCacheManager | HybridKVCacheManager | ContiguousKVCacheManager:
+    """The concrete manager (the engine also reads its pool for stats and LoRA placement).
+
+    `groups`: the model's KV layer groups (core/kv_groups.py); with windowed layers the
+    paged manager keeps one table per group and gives back what slid out of the window."""
+    if groups is not None and groups.hybrid:
+        if cache.kv_allocation != "paged":
+            raise ValueError(f"kv_allocation={cache.kv_allocation!r} is not supported for models with "
+                             "sliding-window layers; use 'paged'")
+        if num_swap_blocks:
+            logger.info("swap space unused: models with sliding-window layers preempt by recompute")
+        return HybridKVCacheManager(num_blocks, cache.block_size, groups.windows, cache.enable_prefix_caching)
     if cache.kv_allocation == "paged":
         return KVCacheManager(
             num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching, num_swap_blocks=num_swap_blocks

@@ -52,11 +52,20 @@ class KVCacheManager(KVManagerBase):
     pool: BlockPool
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = False, num_swap_blocks: int = 0
+        self, num_blocks: int, block_size: int, enable_caching: bool = False, num_swap_blocks: int = 0,
+        pool: BlockPool | None = None, hash_salt: bytes = b"",
     ) -> None:
+        """`pool`: a pool shared with other managers (the layer groups of
+        core/hybrid_kv_manager.py); None: a pool of `num_blocks` of its own. `hash_salt`:
+        mixed into the root of every hash chain, so groups sharing a pool never share a
+        cached block (each layer group's block holds other layers' K/V)."""
         self.block_size = block_size
+        self.hash_salt = hash_salt
+        # A block id that stands for "no block" in tables (the hybrid manager's null block):
+        # never published to the prefix cache. -1: there is none.
+        self.null_block = -1
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks) if pool is None else pool
         # Host-memory blocks for swapped-out sequences; the same pool logic owns their counts.
         self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks > 0 else None
         self.swapped_tables: dict[str, list[int]] = {}
@@ -198,7 +207,12 @@ class KVCacheManager(KVManagerBase):
         hashes = self._hashes.setdefault(request.request_id, [])
         bs = self.block_size
         num_full = request.num_tokens // bs
-        parent = hashes[-1] if hashes else root_hash(request.lora_id, request.cache_salt)
+        if hashes:
+            parent = hashes[-1]
+        else:
+            parent = root_hash(request.lora_id, request.cache_salt)
+            if self.hash_salt:
+                parent = hashlib.sha256(parent + self.hash_salt).digest()
         for index in range(len(hashes), num_full):
             parent = hash_block(parent, request.token_ids_slice(index * bs, (index + 1) * bs))
             hashes.append(parent)
@@ -241,7 +255,8 @@ class KVCacheManager(KVManagerBase):
             return
         hashes = self.block_hashes(request)
         for index in range(start, end):
-            self.pool.cache(table[index], hashes[index])
+            if table[index] != self.null_block:
+                self.pool.cache(table[index], hashes[index])
         self._num_published[seq_id] = end
 
     def reset_prefix_cache(self) -> None:

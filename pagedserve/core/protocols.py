@@ -2,6 +2,7 @@
 
     Scheduler(limits, kv: KVManager, preemption, lora: AdapterResidency | None)
         kv    core/kv_cache_manager.py  KVCacheManager            (paged: the product)
+              core/hybrid_kv_manager.py HybridKVCacheManager      (paged, sliding-window models)
               core/contiguous.py        ContiguousKVCacheManager  (the benchmarks' baselines)
         lora  lora/manager.py           LoRAManager               (None: LoRA off)
 
@@ -87,7 +88,9 @@ class KVManager(Protocol):
     @property
     def usage(self) -> float: ...
 
-    def get_block_table(self, seq_id: str) -> list[int]: ...
+    def get_block_table(self, seq_id: str) -> list[int]:
+        """The sequence's block ids; with several layer groups, their tables back to back."""
+        ...
 
     def allocate_slots(
         self,

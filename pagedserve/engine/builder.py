@@ -112,7 +112,11 @@ def size_kv_cache(config: EngineConfig, runner: ModelRunner, draft: ModelRunner 
         memory = cache.kv_cache_memory_bytes or _default_kv_cache_bytes(config, runner, device)
         num_blocks = memory // bytes_per_block
     capacity = num_blocks * spec.block_size
-    if capacity < max_model_len:
+    # With windowed layers a block is one page of a layer group: count what the groups hold.
+    need = runner.kv_groups.blocks_per_sequence(
+        max_model_len, spec.block_size,
+        config.scheduler.max_num_batched_tokens if config.scheduler.enable_chunked_prefill else max_model_len)
+    if num_blocks < need:
         raise ValueError(
             f"The KV cache ({memory} bytes = {num_blocks} blocks = {capacity} tokens) cannot hold one "
             f"sequence of max_model_len={max_model_len} tokens; raise kv_cache_memory_bytes "

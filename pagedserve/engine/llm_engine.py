@@ -125,7 +125,8 @@ class LLMEngine:
         self.runner.initialize_kv_cache(self.num_blocks)
         self.num_swap_blocks = config.cache.swap_space_bytes // self.runner.kv_cache_spec().bytes_per_block
         self.runner.initialize_swap_space(self.num_swap_blocks)
-        self.kv_manager = build_kv_manager(config.cache, self.num_blocks, self.max_model_len, self.num_swap_blocks)
+        self.kv_manager = build_kv_manager(config.cache, self.num_blocks, self.max_model_len, self.num_swap_blocks,
+                                           groups=self.runner.kv_groups)
         # Built before the scheduler, which gets it (as its AdapterResidency) at construction.
         self.lora_manager = builder.start_lora(config, self.kv_manager, self.runner, self.tp_workers is not None)
         self.scheduler = build_scheduler(sched, self.kv_manager, builder.preemption_policy(config, self.runner, self.device),

@@ -58,6 +58,10 @@ def layer_window(config: PretrainedConfig, layer_idx: int) -> int | None:
     `use_sliding_window`); None = full attention."""
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
+    if getattr(config, "model_type", None) == "mistral" and not layer_types:
+        # transformers' Mistral windows every layer; a window as long as the context
+        # changes nothing, so such a model keeps full attention (the plain paged path).
+        return window if window and window < config.max_position_embeddings else None
     if not layer_types or layer_types[layer_idx] != "sliding_attention" or not window:
         return None
     return window if getattr(config, "use_sliding_window", True) else None
@@ -265,15 +269,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral = Llama without biases; sliding-window attention is not implemented."""
-
-    @classmethod
-    def check_config(cls, config: PretrainedConfig) -> None:
-        super().check_config(config)
-        window = getattr(config, "sliding_window", None)
-        if window is not None and window < config.max_position_embeddings:
-            raise ValueError(
-                f"unsupported sliding_window={window} < max_position_embeddings="
-                f"{config.max_position_embeddings} for {cls.__name__}: sliding-window attention "
-                "is not implemented (set sliding_window to null to use full attention)"
-            )
+    """Mistral = Llama without biases, every layer windowed by `sliding_window` (the paged
+    cache gives back the blocks that slide out: core/hybrid_kv_manager.py). The window
+    comes from `layer_window`, so the layers stay plain Llama layers (the decoder loop
+    takes a Mistral model without a window)."""

@@ -26,10 +26,12 @@ import torch
 
 from pagedserve import envs
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
+from pagedserve.attention.grouped import GroupedAttentionBackend
 from pagedserve.attention.metadata import CommonAttentionMetadata
 from pagedserve.attention.selector import get_attention_backend
 from pagedserve.compilation.config import CompilationConfig
 from pagedserve.compilation.decode import CompiledDecode, build_compiled_decode
+from pagedserve.core.kv_groups import KVGroupPlan, plan_kv_groups
 from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.distributed.parallel_state import SINGLE
 from pagedserve.lora.kernels import block_elems
@@ -98,7 +100,8 @@ class StepBatch:
     query_lens: list[int]
     seq_lens: list[int]
     logits_indices: list[int]
-    block_tables: list[list[int]]  # per request, padded with block 0 to the longest
+    # Per request: each KV group's table padded with block 0 to the longest, back to back.
+    block_tables: list[list[int]]
 
 
 # Per scheduled request: (tokens this step, where its adapter lives or None).
@@ -169,6 +172,9 @@ class ModelRunner:
         self.attn_layers = sorted(
             (m for m in self.model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx
         )
+        # Which layers share a block table (core/kv_groups.py); one group without windows.
+        self.kv_groups: KVGroupPlan = plan_kv_groups([layer.sliding_window for layer in self.attn_layers])
+        self.grouped_backend: GroupedAttentionBackend | None = None
         self.vocab_size = int(self.hf_config.vocab_size)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
@@ -207,7 +213,8 @@ class ModelRunner:
     def kv_cache_spec(self) -> KVCacheSpec:
         first = self.attn_layers[0]
         return KVCacheSpec(
-            num_layers=len(self.attn_layers),
+            # A block is one page of `page_layers` layers (every layer without windows).
+            num_layers=self.kv_groups.page_layers,
             num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim,
             block_size=self.block_size,
@@ -234,12 +241,35 @@ class ModelRunner:
         if self.tp_workers is not None:
             self.tp_workers.send(("kv_cache", num_blocks))
         self.kv_caches = allocate_kv_caches(self.kv_cache_spec(), num_blocks, self.device)
+        if self.kv_groups.hybrid:
+            self._bind_grouped_caches()
+            return
         for layer, cache in zip(self.attn_layers, self.kv_caches, strict=True):
             layer.kv_cache = cache
         for wrapper in self.lora_layers:
             wrapper.bind(self.kv_caches[wrapper.layer_idx], self.lora_dtype)
         if self.decoder_loop is not None:
             self.decoder_loop.bind(self.kv_caches)
+
+    def _bind_grouped_caches(self) -> None:
+        """Windowed layers: layer i of every KV group shares cache tensor i; each layer gets
+        its own view, whose identity tells the grouped backend the layer's group."""
+        if self.lora_layers:
+            raise ValueError("LoRA is not supported for models with sliding-window layers "
+                             "(adapters live in per-layer KV blocks, which these layers share)")
+        cache_groups: dict[int, int] = {}
+        for index, layer in enumerate(self.attn_layers):
+            group, slot = self.kv_groups.placement(index)
+            view = self.kv_caches[slot].view(self.kv_caches[slot].shape)
+            layer.kv_cache = view
+            cache_groups[id(view)] = group
+        self.grouped_backend = GroupedAttentionBackend(self.backend, cache_groups)
+
+    def _attn_metadata(self, commons: list[CommonAttentionMetadata]) -> AttentionMetadata:
+        """The step's metadata: the backend's own, or one per KV group with windowed layers."""
+        if self.grouped_backend is not None:
+            return self.grouped_backend.build_grouped(commons)
+        return self.backend.build_metadata(commons[0])
 
     def lora_block_elems(self) -> int:
         """LoRA-dtype elements one KV block holds in each half (K or V) of a layer's cache."""
@@ -290,7 +320,7 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         start = time.perf_counter()
         blocks: BlockOps = (sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
-        batch = None if sched.is_empty else self._step_batch(sched)
+        batch = None if sched.is_empty else self._step_batch(sched, num_groups=self.kv_groups.num_groups)
         if self.tp_workers is None:
             return self._execute(sched, blocks, batch, start)
         self.tp_workers.send(("step", blocks, batch, self._lora_runs(sched)))
@@ -310,8 +340,8 @@ class ModelRunner:
         self._apply_block_ops(blocks)
         if batch is None:
             return ModelRunnerOutput([], [])
-        input_ids, positions, common, logits_indices = self._batch_tensors(batch)
-        attn_metadata = self.backend.build_metadata(common)
+        input_ids, positions, commons, logits_indices = self._batch_tensors(batch)
+        common, attn_metadata = commons[0], self._attn_metadata(commons)
         if self._forward_hook is None:
             lora_segments = self.lora_segments(sched)
             prepared = time.perf_counter()
@@ -398,8 +428,8 @@ class ModelRunner:
         self._apply_block_ops(blocks)
         if batch is None:
             return None
-        input_ids, positions, common, _ = self._batch_tensors(batch)
-        attn_metadata = self.backend.build_metadata(common)
+        input_ids, positions, commons, _ = self._batch_tensors(batch)
+        attn_metadata = self._attn_metadata(commons)
         with lora_step(self.segments_for(lora_runs)):
             return self.model(input_ids, positions, attn_metadata)
 
@@ -479,9 +509,9 @@ class ModelRunner:
         """(num_scheduled, vocab) logits at each scheduled request's last token (the
         scheduled range may end in `spec_token_ids`). A draft model proposes with this."""
         assert self.tp_workers is None, "a draft model runs on one rank"
-        input_ids, positions, common, logits_indices = self._batch_tensors(self._step_batch(sched, last_only=True))
-        attn_metadata = self.backend.build_metadata(common)
-        hidden = self._run_model(input_ids, positions, common, attn_metadata)
+        batch = self._step_batch(sched, last_only=True, num_groups=self.kv_groups.num_groups)
+        input_ids, positions, commons, logits_indices = self._batch_tensors(batch)
+        hidden = self._run_model(input_ids, positions, commons[0], self._attn_metadata(commons))
         return self.model.compute_logits(hidden[logits_indices])
 
     def _verify(
@@ -507,7 +537,7 @@ class ModelRunner:
         return self._to_output(sched, sampled, failed, verified.accepted.tolist())
 
     @staticmethod
-    def _step_batch(sched: SchedulerOutput, last_only: bool = False) -> StepBatch:
+    def _step_batch(sched: SchedulerOutput, last_only: bool = False, num_groups: int = 1) -> StepBatch:
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -529,40 +559,55 @@ class ModelRunner:
                 logits_indices.extend([last - num_spec] * (1 + len(item.fork_requests)))
                 logits_indices.extend(range(last - num_spec + 1, last + 1))
         max_blocks = max(len(item.block_table) for item in sched.scheduled)
-        tables = [item.block_table + [0] * (max_blocks - len(item.block_table)) for item in sched.scheduled]
+        if num_groups == 1:
+            tables = [item.block_table + [0] * (max_blocks - len(item.block_table)) for item in sched.scheduled]
+        else:
+            # The KV groups' tables come back to back, all of one length; each is padded alone.
+            width = max_blocks // num_groups
+            tables = []
+            for item in sched.scheduled:
+                n = len(item.block_table) // num_groups
+                tables.append([b for g in range(num_groups)
+                               for b in item.block_table[g * n : (g + 1) * n] + [0] * (width - n)])
         return StepBatch(token_ids, positions, query_lens, seq_lens, logits_indices, tables)
 
     def _batch_tensors(
         self, batch: StepBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, list[CommonAttentionMetadata], torch.Tensor]:
+        """Returns the step's tensors with one CommonAttentionMetadata per KV group."""
         token_ids, positions, query_lens = batch.token_ids, batch.positions, batch.query_lens
         seq_lens, logits_indices = batch.seq_lens, batch.logits_indices
-        block_tables = torch.tensor(batch.block_tables, dtype=torch.int64)
-        # Each token's slot: its request's block for (position // block_size), plus the offset.
-        # Host integer arithmetic: at a decode step's few tokens it is ~10x cheaper than the ~10
-        # tiny torch ops it replaces (~0.1 ms a step); at a 2048-token prefill it is ~0.5 ms.
+        num_groups = self.kv_groups.num_groups
+        width = len(batch.block_tables[0]) // num_groups
+        query_start_loc = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int64, device=self.device)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=self.device)
         bs = self.block_size
-        slots = [table[p // bs] * bs + p % bs
-                 for table, q, s in zip(batch.block_tables, query_lens, seq_lens, strict=True)
-                 for p in range(s - q, s)]
-        common = CommonAttentionMetadata(
-            num_tokens=len(token_ids),
-            num_seqs=len(query_lens),
-            block_size=bs,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int64,
-                                         device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
-            block_tables=block_tables.to(self.device),
-            query_lens_list=query_lens,
-            seq_lens_list=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
+        commons = []
+        for g in range(num_groups):
+            tables = batch.block_tables if num_groups == 1 else [t[g * width : (g + 1) * width] for t in batch.block_tables]
+            # Each token's slot: its request's block for (position // block_size), plus the offset.
+            # Host integer arithmetic: at a decode step's few tokens it is ~10x cheaper than the ~10
+            # tiny torch ops it replaces (~0.1 ms a step); at a 2048-token prefill it is ~0.5 ms.
+            slots = [table[p // bs] * bs + p % bs
+                     for table, q, s in zip(tables, query_lens, seq_lens, strict=True)
+                     for p in range(s - q, s)]
+            commons.append(CommonAttentionMetadata(
+                num_tokens=len(token_ids),
+                num_seqs=len(query_lens),
+                block_size=bs,
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens_t,
+                block_tables=torch.tensor(tables, dtype=torch.int64).to(self.device),
+                query_lens_list=query_lens,
+                seq_lens_list=seq_lens,
+                max_query_len=max(query_lens),
+                max_seq_len=max(seq_lens),
+            ))
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         logits_idx = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
         positions_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        return input_ids, positions_t, common, logits_idx
+        return input_ids, positions_t, commons, logits_idx
 
     @staticmethod
     def _copy_blocks(

@@ -16,6 +16,8 @@ CORE_MODULES = [
     "pagedserve.core.batching",
     "pagedserve.core.contiguous",
     "pagedserve.core.kv_manager_base",
+    "pagedserve.core.kv_groups",
+    "pagedserve.core.hybrid_kv_manager",
     "pagedserve.config",
 ]
 

@@ -233,7 +233,6 @@ def save_config(config: PretrainedConfig, path: Path, arch: str) -> Path:
     [
         # A config of a supported family under an architecture name that is not.
         (GPT2Config(n_layer=1, n_embd=32, n_head=2), "FalconForCausalLM", "FalconForCausalLM"),
-        (MistralConfig(**TINY | {"sliding_window": 16}), "MistralForCausalLM", "sliding_window"),
         (
             Qwen2Config(**TINY, use_sliding_window=True, sliding_window=16),
             "Qwen2ForCausalLM",
@@ -253,7 +252,7 @@ def save_config(config: PretrainedConfig, path: Path, arch: str) -> Path:
             "quantization_config",
         ),
     ],
-    ids=["arch", "mistral_window", "qwen2_window", "dynamic_rope", "gelu", "gptq"],
+    ids=["arch", "qwen2_window", "dynamic_rope", "gelu", "gptq"],
 )
 def test_unsupported_is_refused(
     tmp_path: Path, config: PretrainedConfig, arch: str, option: str
