@@ -335,16 +335,22 @@ def _build_chunk(
     window: int | None = None,
 ) -> AttnChunk:
     """Index tensors of one chunk (built on CPU from host lists, moved once); with `window`,
-    the mask is banded to the last `window` positions of each query."""
+    the mask is banded to the last `window` positions of each query, and the gathered
+    context of each request starts at its first query's window: positions before it are
+    never read (a paged cache may have given their blocks back, core/hybrid_kv_manager.py)."""
     ql = [common.query_lens_list[i] for i in reqs]
     sl = [common.seq_lens_list[i] for i in reqs]
-    n, max_q, max_ctx = len(reqs), max(ql), max(sl)
     # Fresh: no cached context, so K/V are exactly the new tokens (no cache gather).
     fresh = all(q == s for q, s in zip(ql, sl, strict=True))
+    # First context position gathered per request (0 unless a window hides the start).
+    first = [0] * len(reqs) if window is None or fresh else [
+        max(0, s - q - window + 1) for q, s in zip(ql, sl, strict=True)]
+    n, max_q, max_ctx = len(reqs), max(ql), max(s - f for s, f in zip(sl, first, strict=True))
     uniform = all(s == max_ctx for s in sl) and all(q == max_q for q in ql)
     q_range = (q_starts[reqs[0]], q_starts[reqs[0]] + ql[0]) if n == 1 else None
 
     qlt, slt = torch.tensor(ql), torch.tensor(sl)
+    firstt = torch.tensor(first) if any(first) else None
     t = torch.arange(max_q)
     # Query row t of request r is token min(t, ql-1): padding repeats the last real row.
     t_clamped = torch.minimum(t[None], (qlt - 1)[:, None])  # (n, max_q)
@@ -357,14 +363,16 @@ def _build_chunk(
             out_src = out_src.to(device)
         q_rows = q_rows.to(device)
     if not fresh:
-        kv_slots = _kv_slots(common, reqs, slt, max_ctx, device)
+        kv_slots = _kv_slots(common, reqs, slt, max_ctx, device, firstt)
     # Fresh prefills of equal length: plain causal (top-left == bottom-right alignment).
     is_causal = fresh and uniform and max_q > 1 and window is None
     if not uniform or (max_q > 1 and not is_causal) or window is not None:
         # Key j is visible to query row t iff j <= (sl - ql) + t: its cached context plus the
         # new tokens up to itself. Padded rows/keys fall outside via the clamps.
         last_visible = (slt - qlt)[:, None] + t_clamped  # (n, max_q)
-        keys = torch.arange(max_ctx)[None, None, :]
+        keys = torch.arange(max_ctx)[None, None, :]  # context positions: first + index
+        if firstt is not None:
+            keys = keys + firstt[:, None, None]
         mask = keys <= last_visible[:, :, None]
         if window is not None:  # and j > p - window: the query itself always stays visible
             mask &= keys > last_visible[:, :, None] - window
@@ -380,9 +388,12 @@ def _kv_slots(
     seq_lens: torch.Tensor,
     max_ctx: int,
     device: torch.device,
+    first: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(n * max_ctx,) flat cache slots of positions 0..max_ctx-1, clamped to seq_len-1."""
-    pos = torch.minimum(torch.arange(max_ctx)[None], (seq_lens - 1)[:, None])  # (n, max_ctx)
+    """(n * max_ctx,) flat cache slots of positions first..first+max_ctx-1 (`first`: per
+    request, default 0), clamped to seq_len-1."""
+    pos = torch.arange(max_ctx)[None] + (first[:, None] if first is not None else 0)
+    pos = torch.minimum(pos, (seq_lens - 1)[:, None])  # (n, max_ctx)
     bt_device = common.block_tables.device
     tables = common.block_tables.index_select(0, torch.tensor(reqs, device=bt_device))
     pos = pos.to(bt_device)

@@ -31,6 +31,10 @@ decode token, count against the token budget and get KV slots like any token; if
 slots are not free the request decodes without them rather than preempting anyone.
 After the step the rejected proposals' slots are rolled back (`KVCacheManager.rollback`).
 
+Models with sliding-window layers (core/hybrid_kv_manager.py): `allocate_slots` counts the
+true need, windowed blocks given back before the step included, so admission and
+preemption need nothing else here; such a manager never offers swap.
+
 The scheduler counts tokens and block ids; it never touches tensors.
 """
 
