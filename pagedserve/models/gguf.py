@@ -261,6 +261,24 @@ def gguf_tensor_types(path: str | Path, config: PretrainedConfig) -> dict[str, s
     return {names[t.name]: t.tensor_type.name for t in reader.tensors if t.name in names}
 
 
+def gguf_raw_tensor(path: str | Path, config: PretrainedConfig, hf_name: str) -> GGUFQuantizedTensor:
+    """One quantized matrix's blocks as stored, by HF name (the LM head or the token embedding:
+    tensors whose rows the converter did not permute).
+
+    Raises:
+        KeyError: no such tensor, or not of QUANTIZED_TYPES.
+    """
+    path = Path(path)
+    reader = _reader(path)
+    names = _gguf_to_hf_names(_architecture(reader, path), config)
+    for tensor in reader.tensors:
+        if names.get(tensor.name) == hf_name and tensor.tensor_type.name in QUANTIZED_TYPES:
+            shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists dims innermost first
+            blocks = torch.from_numpy(np.require(tensor.data, requirements=["C", "W"]))
+            return GGUFQuantizedTensor(tensor.tensor_type.name, shape, blocks)
+    raise KeyError(f"{path}: no quantized tensor for {hf_name}")
+
+
 def iter_gguf_tensors(
     path: str | Path,
     config: PretrainedConfig,

@@ -128,11 +128,22 @@ class _GGUFBlocks:
         layer.gguf_shards = {}
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not hasattr(layer, "gguf_shards"):
+            return  # an LM head: `install_head` installs its blocks after loading
         shards = layer.gguf_shards
         order = list(layer.shard_ids) if getattr(layer, "shard_ids", None) else [None]
         parts = [shards[s] for s in order]
         del layer.weight, layer.gguf_shards
         self._install(layer, parts)  # type: ignore[attr-defined]
+
+
+def install_head(head: nn.Module, blocks: object, tied: bool) -> None:
+    """An LM head whose method is a GGUF one (set before loading, so no full-precision GEMM
+    copy was made): install the file's blocks of its weight (`blocks`, the output tensor or
+    the tied token embedding), and drop the dense weight unless the embedding shares it."""
+    head.quant_method._install(head, [blocks])
+    if not tied:
+        del head.weight
 
 
 def _keep_shard(layer: nn.Module, param: torch.Tensor, blocks: object, shard_id: object = None) -> None:
