@@ -22,11 +22,12 @@ one rank; `QuantizationConfig("gguf")` says so explicitly): a linear layer whose
 have an exact integer form (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
 gets a method that takes the raw `GGUFQuantizedTensor` blocks (`iter_gguf_tensors(...,
 keep_quantized=True)`, rows already in HF order) and installs them as group-wise int8 / int4
-channel tiles without requantizing (quantization/gguf_blocks.py); a Q8_0 LM head (or tied
-embedding) becomes int8 blocks of 32, its own numbers. Every other tensor (norms, embedding,
-other types, float layers) is dequantized into the serving dtype (`dtype` chooses the
-activations only); models/gguf.py logs which types and what it cost. An int8 / int4
-QuantizationConfig requantizes the dequantized weights instead.
+channel tiles without requantizing (quantization/gguf_blocks.py); by default the LM head (or
+the tied embedding's blocks) too, installed after loading. Every other tensor (norms, the
+embedding table, other types, float layers) is dequantized into the serving dtype (`dtype`
+chooses the activations only); models/gguf.py logs which types and what it cost. An int8 /
+int4 QuantizationConfig requantizes the dequantized weights instead; `load_model(...,
+gguf_blocks=False)` dequantizes everything (the reference path).
 """
 
 from __future__ import annotations
