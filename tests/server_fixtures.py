@@ -15,8 +15,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from pagedserve.entrypoints.chat_utils import builtin_template_path
+
 TEST_MODEL = "llama-gqa"
 SERVE_ARGS = ["--kv-cache-memory", "8MiB", "--log-level", "warning", "--stall-timeout", "30"]
+# Tool calling on the test model: hermes, with the built-in template that renders tools.
+TOOL_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", builtin_template_path()]
 
 
 @dataclass
@@ -36,6 +40,11 @@ class LiveServer:
         while engine.call_in_engine_thread(lambda e: e.has_unfinished_requests()):
             assert time.monotonic() < deadline, "engine did not become idle"
             time.sleep(0.02)
+
+    def assert_no_leaks(self) -> None:
+        """Idle, then the engine's leak check: every KV block free, every reference count zero."""
+        self.wait_idle()
+        self.ctx.engine.call_in_engine_thread(lambda e: e.assert_no_leaks())
 
 
 def _bound_socket() -> socket.socket:

@@ -23,9 +23,8 @@ from transformers import AutoTokenizer
 
 from pagedserve.entrypoints.chat_utils import builtin_template_path
 
-from server_fixtures import SERVE_ARGS, TEST_MODEL, LiveServer, running_server
+from server_fixtures import SERVE_ARGS, TEST_MODEL, TOOL_ARGS, LiveServer, running_server
 
-TOOL_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", builtin_template_path()]
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
                   "required": ["city"], "additionalProperties": False}
 WEATHER = {"name": "get_weather", "description": "Current weather in a city", "input_schema": WEATHER_SCHEMA}
@@ -62,10 +61,6 @@ def _sampling(**fields: Any) -> dict[str, Any]:
     return {"extra_body": fields}
 
 
-def _no_leak(server: LiveServer) -> None:
-    server.wait_idle()
-    server.ctx.engine.call_in_engine_thread(lambda e: e.assert_no_leaks())
-
 
 def _greedy_chat(server: LiveServer, messages: list[dict[str, Any]], max_tokens: int) -> str:
     body = {"model": TEST_MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
@@ -85,7 +80,7 @@ def test_text_message_whole(server: LiveServer, client: anthropic.Anthropic, hf_
     top1 = client.messages.create(model=TEST_MODEL, max_tokens=6, system="Be brief.",
                                   **_sampling(temperature=1.0, top_k=1, top_p=0.9), messages=[{"role": "user", "content": "Say hi"}])
     assert top1.content[0].text == msg.content[0].text
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_tool_use_and_tool_result_blocks(server: LiveServer, client: anthropic.Anthropic, hf_tokenizer: Any) -> None:
@@ -114,7 +109,7 @@ def test_tool_use_and_tool_result_blocks(server: LiveServer, client: anthropic.A
     expected = _hf_prompt_tokens(hf_tokenizer, chat)
     assert msg.usage.input_tokens == expected
     assert client.messages.count_tokens(**kwargs).input_tokens == expected
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
@@ -126,7 +121,7 @@ def test_forced_tool_use(server: LiveServer, client: anthropic.Anthropic, tool_c
     calls = [block for block in msg.content if block.type == "tool_use"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].id
     jsonschema.validate(calls[0].input, WEATHER_SCHEMA)
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_stop_sequences(server: LiveServer, client: anthropic.Anthropic) -> None:
@@ -142,7 +137,7 @@ def test_stop_sequences(server: LiveServer, client: anthropic.Anthropic) -> None
         final = stream.get_final_message()
     assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
     assert final.content[0].text == msg.content[0].text
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_stream_text(server: LiveServer, client: anthropic.Anthropic) -> None:
@@ -158,7 +153,7 @@ def test_stream_text(server: LiveServer, client: anthropic.Anthropic) -> None:
     assert final.content[0].text == whole.content[0].text
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 8
     assert final.usage.input_tokens == whole.usage.input_tokens
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_stream_tool_use(server: LiveServer, client: anthropic.Anthropic) -> None:
@@ -172,7 +167,7 @@ def test_stream_tool_use(server: LiveServer, client: anthropic.Anthropic) -> Non
     calls = [block for block in final.content if block.type == "tool_use"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     jsonschema.validate(calls[0].input, WEATHER_SCHEMA)
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 @pytest.mark.parametrize(("patch", "field"), [
@@ -191,7 +186,7 @@ def test_bad_input_is_a_400_in_anthropic_shape(server: LiveServer, client: anthr
     error = info.value.body
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", error
     assert error["error"]["message"].startswith(field), error
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_unknown_model_is_404_in_anthropic_shape(client: anthropic.Anthropic) -> None:
@@ -215,7 +210,7 @@ def test_x_api_key_with_api_key() -> None:
         assert info.value.body["error"]["type"] == "authentication_error"
         resp = httpx.post(live.v1 + "/messages", json={"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
         assert resp.status_code == 401 and json.loads(resp.text)["type"] == "error"
-        _no_leak(live)
+        live.assert_no_leaks()
 
 
 def test_thinking_block(server: LiveServer, client: anthropic.Anthropic) -> None:
@@ -234,7 +229,7 @@ def test_thinking_block(server: LiveServer, client: anthropic.Anthropic) -> None
             assert [block.type for block in msg.content] == ["thinking"]
             assert msg.content[0].thinking == plain and msg.stop_reason == "max_tokens"
         assert set(deltas) == {"thinking_delta"}
-        _no_leak(live)
+        live.assert_no_leaks()
 
 
 def _aborts(server: LiveServer) -> float:
@@ -261,4 +256,4 @@ def test_client_leaving_aborts_the_request(server: LiveServer, stream: bool) -> 
     while _aborts(server) <= before:
         assert time.monotonic() < deadline, "the request was not aborted"
         time.sleep(0.02)
-    _no_leak(server)
+    server.assert_no_leaks()

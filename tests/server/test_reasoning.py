@@ -115,10 +115,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         yield live
 
 
-def _no_leak(server: LiveServer) -> None:
-    server.wait_idle()
-    server.ctx.engine.call_in_engine_thread(lambda e: e.assert_no_leaks())
-
 
 def test_live_reasoning_whole_and_streamed(server: LiveServer, tokenizer) -> None:  # type: ignore[no-untyped-def]
     client = openai.OpenAI(base_url=server.v1, api_key="EMPTY", max_retries=0)
@@ -145,7 +141,7 @@ def test_live_reasoning_whole_and_streamed(server: LiveServer, tokenizer) -> Non
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens_details is not None
     assert usage.completion_tokens_details.reasoning_tokens == expected
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_live_template_kwargs_and_effort(server: LiveServer, tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -161,7 +157,7 @@ def test_live_template_kwargs_and_effort(server: LiveServer, tokenizer) -> None:
     assert reply.choices[0].message.reasoning_content is None  # type: ignore[attr-defined]
     assert reply.usage is not None and reply.usage.completion_tokens_details is not None
     assert reply.usage.completion_tokens_details.reasoning_tokens == 0
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_tool_calls_are_read_after_the_reasoning_only() -> None:

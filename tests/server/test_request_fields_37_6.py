@@ -46,10 +46,6 @@ def tokenizer(server: LiveServer):
     return AutoTokenizer.from_pretrained(server.model_path)
 
 
-def _no_leak(server: LiveServer) -> None:
-    server.wait_idle()
-    server.ctx.engine.call_in_engine_thread(lambda e: e.assert_no_leaks())
-
 
 def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -103,7 +99,7 @@ def test_chat_prompt_logprobs_match_transformers(server: LiveServer, tokenizer) 
         assert 25 <= len(entries[i]) <= 26
     streamed = httpx.post(server.v1 + "/chat/completions", json={**body, "stream": True}, timeout=60)
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_max_logprobs_above_20(server: LiveServer, client: openai.OpenAI, tokenizer) -> None:
@@ -129,7 +125,7 @@ def test_max_logprobs_above_20(server: LiveServer, client: openai.OpenAI, tokeni
         with pytest.raises(openai.BadRequestError) as info:
             call()
         assert info.value.body["param"] == field and "--max-logprobs" in info.value.body["message"]
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 # ---- bad_words, allowed_token_ids --------------------------------------------------------------
@@ -162,7 +158,7 @@ def test_bad_words_match_transformers_with_the_word_masked(server: LiveServer, c
             extra_body={"ignore_eos": True, "return_token_ids": True, "bad_words": [word]}).choices[0].token_ids
     assert got == expected != baseline
     assert not any(_contains(got, seq) for seq in banned)
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_allowed_token_ids(server: LiveServer, client: openai.OpenAI, tokenizer) -> None:
@@ -180,7 +176,7 @@ def test_allowed_token_ids(server: LiveServer, client: openai.OpenAI, tokenizer)
         resp = httpx.post(server.v1 + "/completions", timeout=60,
                           json={"model": TEST_MODEL, "prompt": "hi", "max_tokens": 1, key: value})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 # ---- truncate_prompt_tokens --------------------------------------------------------------------
@@ -205,7 +201,7 @@ def test_truncate_prompt_tokens(server: LiveServer, client: openai.OpenAI, token
     resp = httpx.post(server.v1 + "/completions", timeout=60,
                       json={"model": TEST_MODEL, "prompt": "hi", "max_tokens": 1, "truncate_prompt_tokens": 0})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncate_prompt_tokens", resp.text
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 # ---- cache_salt --------------------------------------------------------------------------------
@@ -240,7 +236,7 @@ def test_cache_salt_isolates_the_prefix_cache(server: LiveServer, client: openai
     resp = httpx.post(server.v1 + "/completions", timeout=60,
                       json={"model": TEST_MODEL, "prompt": "hi", "max_tokens": 1, "cache_salt": ""})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt", resp.text
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_other_routes_still_refuse_these_fields(server: LiveServer) -> None:
@@ -249,4 +245,4 @@ def test_other_routes_still_refuse_these_fields(server: LiveServer) -> None:
         resp = httpx.post(server.v1 + "/responses", timeout=60,
                           json={"model": TEST_MODEL, "input": "hi", "max_output_tokens": 2, field: value})
         assert resp.status_code == 400 and field in resp.text, resp.text
-    _no_leak(server)
+    server.assert_no_leaks()

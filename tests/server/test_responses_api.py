@@ -24,9 +24,8 @@ from transformers import AutoTokenizer
 
 from pagedserve.entrypoints.chat_utils import builtin_template_path
 
-from server_fixtures import SERVE_ARGS, TEST_MODEL, LiveServer, running_server
+from server_fixtures import SERVE_ARGS, TEST_MODEL, TOOL_ARGS, LiveServer, running_server
 
-TOOL_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", builtin_template_path()]
 WEATHER = {
     "type": "function", "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -61,10 +60,6 @@ def _hf_prompt_tokens(tokenizer: Any, messages: list[dict[str, Any]], tools: lis
                                              add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-def _no_leak(server: LiveServer) -> None:
-    server.wait_idle()
-    server.ctx.engine.call_in_engine_thread(lambda e: e.assert_no_leaks())
-
 
 def test_string_input_with_instructions(server: LiveServer, client: openai.OpenAI, hf_tokenizer: Any) -> None:
     resp = client.responses.create(model=TEST_MODEL, input="Say hi", instructions="Be brief.", max_output_tokens=5,
@@ -80,7 +75,7 @@ def test_string_input_with_instructions(server: LiveServer, client: openai.OpenA
     chat = client.chat.completions.create(model=TEST_MODEL, max_tokens=5, temperature=0.0, messages=[
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}])
     assert resp.output_text == chat.choices[0].message.content
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_item_list_input_and_function_call_output(server: LiveServer, client: openai.OpenAI,
@@ -101,7 +96,7 @@ def test_item_list_input_and_function_call_output(server: LiveServer, client: op
         {"role": "tool", "tool_call_id": "call_1", "content": "22 C, sunny"},
     ]
     assert resp.usage.input_tokens == _hf_prompt_tokens(hf_tokenizer, expected_messages)
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_forced_function_call(server: LiveServer, client: openai.OpenAI) -> None:
@@ -111,7 +106,7 @@ def test_forced_function_call(server: LiveServer, client: openai.OpenAI) -> None
     calls = [item for item in resp.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_text_format_json_schema(server: LiveServer, client: openai.OpenAI) -> None:
@@ -120,7 +115,7 @@ def test_text_format_json_schema(server: LiveServer, client: openai.OpenAI) -> N
                                                                  "strict": True}})
     jsonschema.validate(json.loads(resp.output_text), SCHEMA)
     assert resp.text.format.type == "json_schema"
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 class Tagged(BaseModel):
@@ -137,7 +132,7 @@ def test_parse_with_text_format_model(server: LiveServer, client: openai.OpenAI)
                                  max_output_tokens=60, temperature=1.0, store=False) as stream:
         final = stream.get_final_response()
     assert isinstance(final.output_parsed, Tagged)
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_stream_events_and_final_response(server: LiveServer, client: openai.OpenAI) -> None:
@@ -154,7 +149,7 @@ def test_stream_events_and_final_response(server: LiveServer, client: openai.Ope
     assert final.usage.input_tokens == whole.usage.input_tokens
     # The streamed response was stored: retrievable, and a follow-up can continue it.
     assert client.responses.retrieve(final.id).output_text == final.output_text
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_stream_function_call_events(server: LiveServer, client: openai.OpenAI) -> None:
@@ -167,7 +162,7 @@ def test_stream_function_call_events(server: LiveServer, client: openai.OpenAI) 
     calls = [item for item in final.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_previous_response_id_continues_the_conversation(server: LiveServer, client: openai.OpenAI,
@@ -181,7 +176,7 @@ def test_previous_response_id_continues_the_conversation(server: LiveServer, cli
         {"role": "user", "content": "Hello"}, {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "And again"}])
     assert second.usage.input_tokens == expected
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_store_is_bounded_oldest_first_and_unknown_id_is_404(server: LiveServer, client: openai.OpenAI) -> None:
@@ -197,7 +192,7 @@ def test_store_is_bounded_oldest_first_and_unknown_id_is_404(server: LiveServer,
     unstored = client.responses.create(model=TEST_MODEL, input="x", max_output_tokens=1, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 @pytest.mark.parametrize(("patch", "param"), [
@@ -215,7 +210,7 @@ def test_bad_input_is_400_naming_the_field(server: LiveServer, patch: dict, para
     resp = httpx.post(server.v1 + "/responses", json=body, timeout=60)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param, resp.text
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_reasoning_item(server: LiveServer, client: openai.OpenAI) -> None:
@@ -236,7 +231,7 @@ def test_reasoning_item(server: LiveServer, client: openai.OpenAI) -> None:
             assert resp.output[0].content[0].text == plain
             assert resp.usage.output_tokens_details.reasoning_tokens == 6
         assert "response.reasoning_text.delta" in kinds and "response.reasoning_text.done" in kinds
-        _no_leak(live)
+        live.assert_no_leaks()
 
 
 def _aborts(server: LiveServer) -> float:
@@ -263,4 +258,4 @@ def test_client_leaving_aborts_the_request(server: LiveServer, stream: bool) -> 
     while _aborts(server) <= before:
         assert time.monotonic() < deadline, "the request was not aborted"
         time.sleep(0.02)
-    _no_leak(server)
+    server.assert_no_leaks()

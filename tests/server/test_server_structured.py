@@ -16,11 +16,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from pagedserve.entrypoints.chat_utils import builtin_template_path
+from server_fixtures import SERVE_ARGS, TEST_MODEL, TOOL_ARGS, LiveServer, running_server
 
-from server_fixtures import SERVE_ARGS, TEST_MODEL, LiveServer, running_server
-
-TOOL_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", builtin_template_path()]
 WEATHER = {
     "type": "function",
     "function": {
@@ -55,10 +52,6 @@ def client(server: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.v1, api_key="EMPTY", max_retries=0)
 
 
-def _no_leak(server: LiveServer) -> None:
-    server.wait_idle()
-    server.ctx.engine.call_in_engine_thread(lambda e: e.assert_no_leaks())
-
 
 def test_completion_guided_fields(server: LiveServer, client: openai.OpenAI) -> None:
     regex = r"[a-f]{2,5}-[0-9]{2}"
@@ -72,7 +65,7 @@ def test_completion_guided_fields(server: LiveServer, client: openai.OpenAI) -> 
                                     extra_body={"response_format": {"type": "json_schema",
                                                                      "json_schema": {"name": "t", "schema": SCHEMA}}})
     jsonschema.validate(json.loads(out.choices[0].text), SCHEMA)
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_chat_response_format_and_structured_outputs(server: LiveServer, client: openai.OpenAI) -> None:
@@ -94,7 +87,7 @@ def test_chat_response_format_and_structured_outputs(server: LiveServer, client:
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
                        if c.choices)
     assert streamed == whole
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -112,7 +105,7 @@ def test_bad_constraint_is_400_naming_the_field(server: LiveServer, body: dict, 
     r = httpx.post(server.v1 + "/completions", json={"model": TEST_MODEL, "prompt": "x", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_tool_choice_required_and_named(server: LiveServer, client: openai.OpenAI) -> None:
@@ -130,7 +123,7 @@ def test_tool_choice_required_and_named(server: LiveServer, client: openai.OpenA
                                          max_tokens=120, temperature=1.0, seed=7)
     (call,) = out.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_streamed_tool_calls_reassemble(server: LiveServer, client: openai.OpenAI) -> None:
@@ -151,7 +144,7 @@ def test_streamed_tool_calls_reassemble(server: LiveServer, client: openai.OpenA
     assert finish == whole.finish_reason == "tool_calls"
     assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
         (t.function.name, t.function.arguments) for t in whole.message.tool_calls]
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_auto_tool_choice_parses_hermes_calls(server: LiveServer, client: openai.OpenAI) -> None:
@@ -174,7 +167,7 @@ def test_auto_tool_choice_parses_hermes_calls(server: LiveServer, client: openai
                 names += [d.function.name] if d.function.name else []
                 args += d.function.arguments or ""
     assert (content.strip(), names, args, finish) == ("OK.", ["get_weather"], call.function.arguments, "tool_calls")
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_agent_loop_messages_render(server: LiveServer, client: openai.OpenAI) -> None:
@@ -192,7 +185,7 @@ def test_agent_loop_messages_render(server: LiveServer, client: openai.OpenAI) -
     out = client.chat.completions.create(model=TEST_MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
                                          max_tokens=5)
     assert out.choices[0].message.tool_calls is None
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_template_without_tools_and_auto_without_parser_are_400() -> None:
@@ -248,7 +241,7 @@ def test_real_model_parse_person(smol_server: LiveServer) -> None:
         messages=[{"role": "user", "content": "Invent a person: give a name and an age, as JSON."}])
     person = out.choices[0].message.parsed
     assert isinstance(person, Person) and person.name
-    _no_leak(smol_server)
+    smol_server.assert_no_leaks()
 
 
 def test_real_model_required_weather_tool_streams_the_same(smol_server: LiveServer) -> None:
@@ -269,4 +262,4 @@ def test_real_model_required_weather_tool_streams_the_same(smol_server: LiveServ
             pieces.setdefault(d.index, []).append(d.function.arguments or "")
     assert [(names[i], "".join(pieces[i])) for i in sorted(pieces)] == [
         (t.function.name, t.function.arguments) for t in whole.message.tool_calls]
-    _no_leak(smol_server)
+    smol_server.assert_no_leaks()

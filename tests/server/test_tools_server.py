@@ -39,10 +39,6 @@ FORMATS = {
 }
 
 
-def _no_leak(server: LiveServer) -> None:
-    server.wait_idle()
-    server.ctx.engine.call_in_engine_thread(lambda e: e.assert_no_leaks())
-
 
 @pytest.fixture(scope="module", params=sorted(FORMATS))
 def parser_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, LiveServer]]:
@@ -77,7 +73,7 @@ def test_each_parser_whole_and_streamed(parser_server: tuple[str, LiveServer]) -
     with client.chat.completions.stream(parallel_tool_calls=False, **kwargs) as stream:  # type: ignore[arg-type]
         final = stream.get_final_completion()
     assert [c.function.arguments for c in final.choices[0].message.tool_calls or []] == [calls[0].function.arguments]
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 # ---- a template that cannot render tools -------------------------------------------------
@@ -100,7 +96,7 @@ def test_plain_template_auto_describes_the_tools(plain_server: LiveServer) -> No
     system = prompt.split("<|im_end|>")[0]
     assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
     assert json.dumps(WEATHER) in system and "<tool_call>" in system
-    _no_leak(plain_server)
+    plain_server.assert_no_leaks()
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
@@ -117,7 +113,7 @@ def test_plain_template_forced_call_is_schema_valid_and_closed(plain_server: Liv
         # No key the schema never declared (its additionalProperties is absent: closed, as vLLM reads it).
         closed = {**WEATHER["function"]["parameters"], "additionalProperties": False}  # type: ignore[dict-item]
         jsonschema.validate(json.loads(call.function.arguments), closed)
-    _no_leak(plain_server)
+    plain_server.assert_no_leaks()
 
 
 def test_plain_template_agent_loop_is_served(plain_server: LiveServer) -> None:
@@ -133,7 +129,7 @@ def test_plain_template_agent_loop_is_served(plain_server: LiveServer) -> None:
     prompt = AutoTokenizer.from_pretrained(plain_server.model_path).decode(reply.prompt_token_ids)  # type: ignore[attr-defined]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
     assert "<|im_start|>user\n<tool_response>\n21 C\n</tool_response>" in prompt
-    _no_leak(plain_server)
+    plain_server.assert_no_leaks()
 
 
 # ---- `make serve`: SmolLM2 with its tools template and the hermes parser -----------------
@@ -180,4 +176,4 @@ def test_make_serve_tool_calling(smol_server: LiveServer) -> None:
     (call,) = named.choices[0].message.tool_calls or []
     closed = {**WEATHER["function"]["parameters"], "additionalProperties": False}  # type: ignore[dict-item]
     jsonschema.validate(json.loads(call.function.arguments), closed)
-    _no_leak(smol_server)
+    smol_server.assert_no_leaks()

@@ -33,10 +33,6 @@ def client(server: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.v1, api_key="EMPTY", max_retries=0)
 
 
-def _no_leak(server: LiveServer) -> None:
-    server.wait_idle()
-    server.ctx.engine.call_in_engine_thread(lambda e: e.assert_no_leaks())
-
 
 def test_max_logprobs(server: LiveServer, client: openai.OpenAI) -> None:
     out = client.completions.create(model=TEST_MODEL, prompt="hi", max_tokens=2, logprobs=3)
@@ -56,7 +52,7 @@ def test_max_logprobs(server: LiveServer, client: openai.OpenAI) -> None:
     chat = client.chat.completions.create(model=TEST_MODEL, messages=MESSAGES, max_tokens=2, logprobs=True,
                                           top_logprobs=3)
     assert all(len(t.top_logprobs) == 3 for t in chat.choices[0].logprobs.content)
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def _tokens(choice: Any) -> int:
@@ -80,7 +76,7 @@ def test_continuous_usage_stats_chat(server: LiveServer, client: openai.OpenAI) 
             assert chunk.usage.total_tokens == prompt_tokens + seen[choice.index]
     last = chunks[-1]
     assert last.choices == [] and last.usage.completion_tokens == 14 == sum(seen)
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_continuous_usage_stats_completions(server: LiveServer, client: openai.OpenAI) -> None:
@@ -102,7 +98,7 @@ def test_continuous_usage_stats_completions(server: LiveServer, client: openai.O
     plain = list(client.completions.create(model=TEST_MODEL, prompt=prompts[0], max_tokens=3, stream=True,
                                            stream_options={"include_usage": True}))
     assert all(chunk.usage is None for chunk in plain[:-1]) and plain[-1].usage.completion_tokens == 3
-    _no_leak(server)
+    server.assert_no_leaks()
 
 
 def test_cached_tokens(server: LiveServer, client: openai.OpenAI) -> None:
@@ -127,4 +123,4 @@ def test_cached_tokens(server: LiveServer, client: openai.OpenAI) -> None:
     chat_stream = list(client.chat.completions.create(model=TEST_MODEL, messages=messages, max_tokens=2, stream=True,
                                                       stream_options={"include_usage": True}))
     assert chat_stream[-1].usage.prompt_tokens_details.cached_tokens == chat[1].usage.prompt_tokens_details.cached_tokens
-    _no_leak(server)
+    server.assert_no_leaks()
