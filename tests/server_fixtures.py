@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -91,3 +92,11 @@ def running_server(serve_argv: list[str]) -> Iterator[LiveServer]:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def hf_prompt_tokens(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
+    """The reference prompt length: the same chat rendered by transformers with TOOL_ARGS' template."""
+    with open(builtin_template_path()) as f:
+        template = f.read()
+    return len(tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
+                                             add_generation_prompt=True, tokenize=True, return_dict=False))

@@ -121,9 +121,13 @@ def test_prefill_and_incremental_match_hf(checkpoint: Path) -> None:
     want = hf_eager_logits(checkpoint, prompts)
     for got, exp in zip(PagedRunner(model, 3).step(list(enumerate(prompts))), want, strict=True):
         torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4)
-    # Request 0 decodes while request 1 feeds 3-token chunks, after prefixes of 5 and 11.
+    assert_incremental_matches(model, [prompts[0], prompts[2]], [want[0], want[2]])
+
+
+def assert_incremental_matches(model: torch.nn.Module, prompts: list[list[int]], want: list[torch.Tensor]) -> None:
+    """Request 0 decodes one token a step while request 1 feeds 3-token chunks, after prefixes
+    of 5 and 11 tokens; the logits of every position equal `want` (transformers' whole-prompt run)."""
     runner = PagedRunner(model, 2)
-    prompts = [prompts[0], prompts[2]]
     fed, got = [5, 11], [[], []]
     for r, out in enumerate(runner.step([(0, prompts[0][:5]), (1, prompts[1][:11])])):
         got[r].append(out)
@@ -136,7 +140,7 @@ def test_prefill_and_incremental_match_hf(checkpoint: Path) -> None:
         for (r, _), out in zip(feeds, runner.step(feeds), strict=True):
             got[r].append(out)
     for r in (0, 1):
-        torch.testing.assert_close(torch.cat(got[r]), want[2 * r], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.cat(got[r]), want[r], rtol=1e-4, atol=1e-4)
 
 
 def engine_prompts(vocab: int) -> list[list[int]]:

@@ -23,7 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_families_2026 import SMALL_IDS, engine_prompts, hf_eager_greedy, hf_eager_logits
+from test_families_2026 import (
+    SMALL_IDS,
+    assert_incremental_matches,
+    engine_prompts,
+    hf_eager_greedy,
+    hf_eager_logits,
+)
 from test_models import TINY, PagedRunner, prompts_for, save_random_model
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as HFMoeBlock
@@ -101,22 +107,7 @@ def test_prefill_and_incremental_match_hf(checkpoint: Path) -> None:
         torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4)
     # The first forward stacked the experts' GEMV tiles (moe.FusedMoE): moved, not copied.
     assert weight_bytes(model) == loaded_bytes
-    # Request 0 decodes one token a step while request 1 feeds 3-token chunks.
-    runner = PagedRunner(model, 2)
-    prompts = [prompts[0], prompts[2]]
-    fed, got = [5, 11], [[], []]
-    for r, out in enumerate(runner.step([(0, prompts[0][:5]), (1, prompts[1][:11])])):
-        got[r].append(out)
-    while fed[0] < len(prompts[0]) or fed[1] < len(prompts[1]):
-        feeds = []
-        for r, n in ((1, 3), (0, 1)):
-            if fed[r] < len(prompts[r]):
-                feeds.append((r, prompts[r][fed[r]: fed[r] + n]))
-                fed[r] += len(feeds[-1][1])
-        for (r, _), out in zip(feeds, runner.step(feeds), strict=True):
-            got[r].append(out)
-    for r in (0, 1):
-        torch.testing.assert_close(torch.cat(got[r]), want[2 * r], rtol=1e-4, atol=1e-4)
+    assert_incremental_matches(model, [prompts[0], prompts[2]], [want[0], want[2]])
 
 
 def test_engine_greedy_matches_hf(root: Path) -> None:

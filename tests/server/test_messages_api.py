@@ -21,9 +21,14 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
-from pagedserve.entrypoints.chat_utils import builtin_template_path
-
-from server_fixtures import SERVE_ARGS, TEST_MODEL, TOOL_ARGS, LiveServer, running_server
+from server_fixtures import (
+    SERVE_ARGS,
+    TEST_MODEL,
+    TOOL_ARGS,
+    LiveServer,
+    hf_prompt_tokens,
+    running_server,
+)
 
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
                   "required": ["city"], "additionalProperties": False}
@@ -47,13 +52,6 @@ def hf_tokenizer(server: LiveServer) -> Any:
     return AutoTokenizer.from_pretrained(server.model_path)
 
 
-def _hf_prompt_tokens(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
-    """The reference: the same chat rendered by transformers with the server's template."""
-    with open(builtin_template_path()) as f:
-        template = f.read()
-    return len(tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
-                                             add_generation_prompt=True, tokenize=True, return_dict=False))
-
 
 def _sampling(**fields: Any) -> dict[str, Any]:
     # This anthropic client (2.x) no longer declares temperature / top_p / top_k: sent as the
@@ -74,7 +72,7 @@ def test_text_message_whole(server: LiveServer, client: anthropic.Anthropic, hf_
     assert msg.stop_reason == "max_tokens" and msg.stop_sequence is None
     assert [block.type for block in msg.content] == ["text"]
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
-    assert msg.usage.input_tokens == _hf_prompt_tokens(hf_tokenizer, chat) and msg.usage.output_tokens == 6
+    assert msg.usage.input_tokens == hf_prompt_tokens(hf_tokenizer, chat) and msg.usage.output_tokens == 6
     assert msg.content[0].text == _greedy_chat(server, chat, 6)
     # top_k=1 samples the most likely token: the greedy text at any temperature.
     top1 = client.messages.create(model=TEST_MODEL, max_tokens=6, system="Be brief.",
@@ -106,7 +104,7 @@ def test_tool_use_and_tool_result_blocks(server: LiveServer, client: anthropic.A
         {"role": "user", "content": "Thanks"},
     ]
     # No tools: how a template shows them is the chat route's business (tested there).
-    expected = _hf_prompt_tokens(hf_tokenizer, chat)
+    expected = hf_prompt_tokens(hf_tokenizer, chat)
     assert msg.usage.input_tokens == expected
     assert client.messages.count_tokens(**kwargs).input_tokens == expected
     server.assert_no_leaks()

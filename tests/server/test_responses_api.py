@@ -22,9 +22,14 @@ import pytest
 from pydantic import BaseModel, Field
 from transformers import AutoTokenizer
 
-from pagedserve.entrypoints.chat_utils import builtin_template_path
-
-from server_fixtures import SERVE_ARGS, TEST_MODEL, TOOL_ARGS, LiveServer, running_server
+from server_fixtures import (
+    SERVE_ARGS,
+    TEST_MODEL,
+    TOOL_ARGS,
+    LiveServer,
+    hf_prompt_tokens,
+    running_server,
+)
 
 WEATHER = {
     "type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -52,13 +57,6 @@ def hf_tokenizer(server: LiveServer) -> Any:
     return AutoTokenizer.from_pretrained(server.model_path)
 
 
-def _hf_prompt_tokens(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
-    """The reference: the same chat rendered by transformers with the server's template."""
-    with open(builtin_template_path()) as f:
-        template = f.read()
-    return len(tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
-                                             add_generation_prompt=True, tokenize=True, return_dict=False))
-
 
 
 def test_string_input_with_instructions(server: LiveServer, client: openai.OpenAI, hf_tokenizer: Any) -> None:
@@ -67,7 +65,7 @@ def test_string_input_with_instructions(server: LiveServer, client: openai.OpenA
     assert resp.object == "response" and resp.model == TEST_MODEL
     assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
     assert [item.type for item in resp.output] == ["message"] and resp.output_text
-    expected = _hf_prompt_tokens(hf_tokenizer, [{"role": "system", "content": "Be brief."},
+    expected = hf_prompt_tokens(hf_tokenizer, [{"role": "system", "content": "Be brief."},
                                                 {"role": "user", "content": "Say hi"}])
     assert resp.usage.input_tokens == expected
     assert resp.usage.output_tokens == 5 and resp.usage.total_tokens == expected + 5
@@ -95,7 +93,7 @@ def test_item_list_input_and_function_call_output(server: LiveServer, client: op
             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "22 C, sunny"},
     ]
-    assert resp.usage.input_tokens == _hf_prompt_tokens(hf_tokenizer, expected_messages)
+    assert resp.usage.input_tokens == hf_prompt_tokens(hf_tokenizer, expected_messages)
     server.assert_no_leaks()
 
 
@@ -172,7 +170,7 @@ def test_previous_response_id_continues_the_conversation(server: LiveServer, cli
     second = client.responses.create(model=TEST_MODEL, input="And again", previous_response_id=first.id,
                                      max_output_tokens=4, temperature=0.0)
     assert second.previous_response_id == first.id
-    expected = _hf_prompt_tokens(hf_tokenizer, [
+    expected = hf_prompt_tokens(hf_tokenizer, [
         {"role": "user", "content": "Hello"}, {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "And again"}])
     assert second.usage.input_tokens == expected
