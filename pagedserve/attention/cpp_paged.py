@@ -14,13 +14,19 @@ dynamically in item order, so items are sorted by estimated cost (longest first)
                            merged afterwards by log-sum-exp (one `merges` row per request)
     prefill chunk:         one item per tile of `q_tile` query tokens, keys [0, ctx + q_end)
                            (causal within the chunk, full over the cached context)
+
+A sliding-window layer (key j visible to query i iff i - W < j <= i) gets its own items,
+planned once a step per window: a decode over its last W keys, a prefill tile from its first
+query's window start; the kernel masks each row's window inside a tile. Keys before that are
+never read (a windowed KV group's table holds the null block there). A softcapped layer
+(Gemma 2) caps the scores in the kernel, softcap * tanh(s / softcap), before the softmax.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,6 +75,8 @@ class CppAttentionMetadata(AttentionMetadata):
     # The step, kept for the torch fallback (dtypes the kernel does not handle).
     common: CommonAttentionMetadata
     fallback: AttentionMetadata | None = None
+    # sliding window -> (items, merges, num_parts), planned on first use in the step.
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
 
 
 class CppPagedAttentionBackend(AttentionBackend):
@@ -116,7 +124,7 @@ class CppPagedAttentionBackend(AttentionBackend):
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CppAttentionMetadata:
         q_lens, s_lens = common.query_lens_list, common.seq_lens_list
-        items, merges, num_parts = self._plan(q_lens, s_lens, torch.get_num_threads())
+        items, merges, num_parts = self._plan_tensors(common, None)
         i32 = torch.int32
         return CppAttentionMetadata(
             backend=self,
@@ -125,24 +133,46 @@ class CppPagedAttentionBackend(AttentionBackend):
             block_tables=common.block_tables.to(self.device, i32).contiguous(),
             seq_lens=torch.tensor(s_lens, dtype=i32),
             query_start_loc=torch.tensor([0, *itertools.accumulate(q_lens)], dtype=i32),
-            items=torch.tensor(items, dtype=i32).view(-1, 6),
-            merges=torch.tensor(merges, dtype=i32).view(-1, 3),
+            items=items,
+            merges=merges,
             num_parts=num_parts,
             max_q=min(common.max_query_len, self.q_tile),
             common=common,
         )
 
+    def _plan_tensors(
+        self, common: CommonAttentionMetadata, window: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        items, merges, num_parts = self._plan(
+            common.query_lens_list, common.seq_lens_list, torch.get_num_threads(), window)
+        i32 = torch.int32
+        return (torch.tensor(items, dtype=i32).view(-1, 6),
+                torch.tensor(merges, dtype=i32).view(-1, 3), num_parts)
+
+    def _windowed(
+        self, meta: CppAttentionMetadata, window: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The step's items for a sliding-window layer, planned once a step per window."""
+        plan = meta.windowed.get(window)
+        if plan is None:
+            plan = meta.windowed[window] = self._plan_tensors(meta.common, window)
+        return plan
+
     def _plan(
-        self, q_lens: list[int], s_lens: list[int], threads: int
+        self, q_lens: list[int], s_lens: list[int], threads: int, window: int | None = None
     ) -> tuple[list[list[int]], list[list[int]], int]:
-        """Work items sorted costliest first, merge rows of split decodes, number of parts."""
-        part_tokens = self._part_tokens(q_lens, s_lens, threads)
+        """Work items sorted costliest first, merge rows of split decodes, number of parts.
+        With a window, each item starts at the window of its first query."""
+        w = window or (1 << 30)
+        # Keys a decode reads (split decisions see the windowed work).
+        kv_lens = [min(s, w) if q == 1 else s for q, s in zip(q_lens, s_lens, strict=True)]
+        part_tokens = self._part_tokens(q_lens, kv_lens, threads)
         costed: list[tuple[int, list[int]]] = []
         merges: list[list[int]] = []
         num_parts = 0
         for seq, (q, s) in enumerate(zip(q_lens, s_lens, strict=True)):
-            if q == 1 and s > part_tokens:
-                bounds = [*range(0, s, part_tokens), s]
+            if q == 1 and min(s, w) > part_tokens:
+                bounds = [*range(max(0, s - w), s, part_tokens), s]
                 merges.append([seq, num_parts, len(bounds) - 1])
                 for b, e in itertools.pairwise(bounds):
                     costed.append((_cost(1, e - b), [seq, 0, 1, b, e, num_parts]))
@@ -151,7 +181,8 @@ class CppPagedAttentionBackend(AttentionBackend):
             ctx = s - q
             for qb in range(0, q, self.q_tile):
                 qe = min(q, qb + self.q_tile)
-                costed.append((_cost(qe - qb, ctx + qe), [seq, qb, qe, 0, ctx + qe, -1]))
+                kb = max(0, ctx + qb - w + 1)
+                costed.append((_cost(qe - qb, ctx + qe - kb), [seq, qb, qe, kb, ctx + qe, -1]))
         costed.sort(key=lambda c: -c[0])
         return [row for _, row in costed], merges, num_parts
 
@@ -178,29 +209,26 @@ class CppPagedAttentionBackend(AttentionBackend):
         softcap: float | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta, CppAttentionMetadata)
-        # The kernel has neither a per-query window nor softcapping: such layers (Gemma's
-        # windowed layers, Gemma 2) take the torch backend (see _forward_fallback).
-        if (query.dtype not in _SUPPORTED_DTYPES or kv_cache.dtype != query.dtype
-                or sliding_window is not None or softcap is not None):
+        if query.dtype not in _SUPPORTED_DTYPES or kv_cache.dtype != query.dtype:
             return self._forward_fallback(
                 query, key, value, kv_cache, meta, scale, sliding_window, softcap)
         self.write_cache(key, value, kv_cache, meta.slot_mapping)
         if query.stride(-1) != 1 or query.stride(1) != query.shape[2]:
             query = query.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        self.ops.paged_attention(
-            out,
-            query,
-            kv_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            meta.items,
-            meta.merges,
-            scale,
-            self.heads_per_task or key.shape[1],
-            meta.num_parts,
-            meta.max_q,
+        hpt = self.heads_per_task or key.shape[1]
+        if sliding_window is None and softcap is None:
+            self.ops.paged_attention(
+                out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                meta.items, meta.merges, scale, hpt, meta.num_parts, meta.max_q,
+            )
+            return out
+        items, merges, num_parts = meta.items, meta.merges, meta.num_parts
+        if sliding_window is not None:
+            items, merges, num_parts = self._windowed(meta, sliding_window)
+        self.ops.paged_attention_windowed(
+            out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            items, merges, scale, hpt, num_parts, meta.max_q, sliding_window or 0, softcap or 0.0,
         )
         return out
 
@@ -227,13 +255,8 @@ class CppPagedAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        """Dtypes the kernel lacks (fp16), sliding-window and softcapped layers: the torch
-        backend, its metadata built once a step (shared by every such layer of the step).
-
-        A windowed decode would fit the kernel as it is (its item's kv_begin = seq_len - W);
-        a windowed prefill tile would need a per-query lower bound on the keys (each query
-        row of a tile starts its window at a different key), and softcapping a tanh on the
-        scores before the online softmax."""
+        """Dtypes the kernel lacks (fp16): the torch backend, its metadata built once a step
+        (shared by every such layer of the step)."""
         if self._fallback_backend is None:
             from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
 

@@ -29,6 +29,11 @@
 // prefetched a few lines at a time through both phases: a burst fills the miss buffers and
 // the core stalls on them (decode x256: 19.8 -> 16.2 ms with blocks and spread prefetch).
 // head_dim not a multiple of 4 vectors takes the one-row loops (dot_keys / pv_rows).
+//
+// Sliding window W (paged_attention_windowed): key j is visible to a query at i iff
+// i - W < j <= i. Tiles before the window of an item's first query are never read (a windowed
+// KV group's table holds the null block there); inside a tile each row masks the keys before
+// its own window start. Softcap c: valid scores s -> c * tanh(s / c) before the softmax.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -80,6 +85,8 @@ struct Params {
   T* out;
   int H, KVH, D, G, BS;
   float scale;
+  int window;       // key j visible to a query at i iff i - window < j <= i; 0 = no window
+  float softcap;    // scores s -> softcap * tanh(s / softcap); 0 = none
   const int32_t* block_tables;
   int64_t bt_stride;
   const int32_t* seq_lens;
@@ -207,11 +214,17 @@ inline void pv_block(float* acc, const float* alpha, const float* p, const T* co
   }
 }
 
-// Online-softmax step of row r over its first nv valid scores (nv >= 1): turns s into p,
-// rescales l, returns alpha (the factor by which the old accumulator shrinks).
+// Online-softmax step of row r over its valid scores [lo, nv) (lo < nv): turns s into p,
+// rescales l, returns alpha (the factor by which the old accumulator shrinks). A softcap
+// caps the valid scores first (the scale is already in the query, as torch's scores*scale).
 template <class V>
-inline float softmax_row(float* s, int nv, float& m, float& l) {
+inline float softmax_row(float* s, int lo, int nv, float& m, float& l, float softcap) {
   using R = typename V::R;
+  if (softcap > 0.f) {
+    const float inv = 1.f / softcap;
+    for (int j = lo; j < nv; ++j) s[j] = softcap * std::tanh(s[j] * inv);
+  }
+  for (int j = 0; j < lo; ++j) s[j] = kNegInf;  // before the row's window
   for (int j = nv; j < KT; ++j) s[j] = kNegInf;  // masked keys (causal / past the tile end)
   R mx = V::load(s);
   for (int j = V::W; j < KT; j += V::W) mx = V::max_(mx, V::load(s + j));
@@ -224,6 +237,7 @@ inline float softmax_row(float* s, int nv, float& m, float& l) {
     sum = V::add(sum, e);
     V::store(s + j, e);
   }
+  for (int j = 0; j < lo; ++j) s[j] = 0.f;
   for (int j = nv; j < KT; ++j) s[j] = 0.f;
   m = m_new;
   l = l * alpha + V::hsum(sum);
@@ -255,6 +269,12 @@ struct PrefetchQueue {
   }
 };
 
+// First key of the tile (index from j0) inside the window of the query at position pos.
+template <class T>
+inline int window_lo(const Params<T>& P, int pos, int j0) {
+  return P.window > 0 ? std::max(0, pos - P.window + 1 - j0) : 0;
+}
+
 // Rows [r0, r0 + RB) of one tile: scores, online softmax, then (by the caller) values.
 template <class V, class T, int RB, int KB>
 inline void score_block(const Params<T>& P, Scratch<T>& S, const T* const* kp, int n, int j0,
@@ -271,12 +291,13 @@ inline void score_block(const Params<T>& P, Scratch<T>& S, const T* const* kp, i
     }
   }
   for (int r = 0; r < RB; ++r) {
-    if (nv[r] <= 0) {  // whole tile in this row's future: no change
+    const int lo = window_lo(P, pos0 + (r0 + r) / P.G, j0);
+    if (nv[r] <= lo) {  // whole tile in this row's future or before its window: no change
       S.alpha[r0 + r] = 1.f;
       std::fill(s + r * KT, s + (r + 1) * KT, 0.f);
       continue;
     }
-    S.alpha[r0 + r] = softmax_row<V>(s + r * KT, nv[r], m[r0 + r], l[r0 + r]);
+    S.alpha[r0 + r] = softmax_row<V>(s + r * KT, lo, nv[r], m[r0 + r], l[r0 + r], P.softcap);
   }
   max_nv = std::max(max_nv, bmax);
 }
@@ -320,7 +341,8 @@ void attend_tile(const Params<T>& P, Scratch<T>& S, const T* const* kp, const T*
   for (int r = 0; r < rows; ++r) {
     float* s = S.s.data() + size_t(r) * KT;
     const int nv = std::min(n, pos0 + r / P.G - j0 + 1);
-    if (nv <= 0) {  // whole tile in this row's future: no change
+    const int lo = window_lo(P, pos0 + r / P.G, j0);
+    if (nv <= lo) {  // whole tile in this row's future or before its window: no change
       S.alpha[r] = 1.f;
       std::fill(s, s + KT, 0.f);
       continue;
@@ -329,7 +351,7 @@ void attend_tile(const Params<T>& P, Scratch<T>& S, const T* const* kp, const T*
       pf.template step<V>(quota);
       dot_keys<V, T>(q + size_t(r) * D, kp + jb, D, s + jb);
     }
-    S.alpha[r] = softmax_row<V>(s, nv, m[r], l[r]);
+    S.alpha[r] = softmax_row<V>(s, lo, nv, m[r], l[r], P.softcap);
     max_nv = std::max(max_nv, nv);
   }
   pf.template step<V>(1 << 30);
@@ -392,6 +414,9 @@ void run_task(const Params<T>& P, Scratch<T>& S, const Item& it, int h0, int h1)
   const int q_len = P.q_start[it.seq + 1] - P.q_start[it.seq];
   const int pos0 = seq_len - q_len + it.q_begin;  // absolute position of the first query
   const int kv_end = std::min(it.kv_end, pos0 + nq);
+  // Whole tiles before the window of the item's first query are skipped: keys there may sit
+  // in the null block (given back), and must never be read, not even multiplied by p = 0.
+  const int kv_begin = P.window > 0 ? std::max(it.kv_begin, pos0 - P.window + 1) : it.kv_begin;
   // Decode: all heads of the task advance together tile by tile, so a token's K/V rows of
   // those heads are read together. Prefill (many rows): one head at a time.
   const int hstep = nq == 1 ? h1 - h0 : 1;
@@ -403,13 +428,13 @@ void run_task(const Params<T>& P, Scratch<T>& S, const Item& it, int h0, int h1)
       std::fill_n(S.m.data() + i * rows, rows, kNegInf);
       std::fill_n(S.l.data() + i * rows, rows, 0.f);
     }
-    auto tile_len = [&](int t) { return std::max(0, std::min(KT, kv_end - it.kv_begin - t * KT)); };
+    auto tile_len = [&](int t) { return std::max(0, std::min(KT, kv_end - kv_begin - t * KT)); };
     for (int t = 0; t < kPrefetchTiles; ++t)
-      if (tile_len(t) > 0) tile_rows(P, S, t % kTileBufs, it.seq, it.kv_begin + t * KT, tile_len(t));
-    for (int t = 0, j0 = it.kv_begin; j0 < kv_end; ++t, j0 += KT) {
+      if (tile_len(t) > 0) tile_rows(P, S, t % kTileBufs, it.seq, kv_begin + t * KT, tile_len(t));
+    for (int t = 0, j0 = kv_begin; j0 < kv_end; ++t, j0 += KT) {
       const int buf = t % kTileBufs, n = tile_len(t);
       const int tp = t + kPrefetchTiles, np = tile_len(tp), pbuf = tp % kTileBufs;
-      if (np > 0) tile_rows(P, S, pbuf, it.seq, it.kv_begin + tp * KT, np);
+      if (np > 0) tile_rows(P, S, pbuf, it.seq, kv_begin + tp * KT, np);
       const T* kp[KT];
       const T* vp[KT];
       for (int i = 0; i < nh; ++i) {
@@ -504,7 +529,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& q_start, const at::Tensor& items,
                           const at::Tensor& merges, double scale, int64_t heads_per_task,
-                          int64_t num_parts, int64_t max_q) {
+                          int64_t num_parts, int64_t max_q, int64_t window, double softcap) {
   const int H = int(query.size(1)), D = int(query.size(2));
   const int KVH = int(kv_cache.size(3)), BS = int(kv_cache.size(2));
   const int64_t half = kv_cache.size(1) * BS * KVH * D;
@@ -515,7 +540,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   }
   Params<T> P{query.data_ptr<T>(), query.stride(0), kv_cache.data_ptr<T>(),
               kv_cache.data_ptr<T>() + half, out.data_ptr<T>(), H, KVH, D, H / KVH, BS,
-              float(scale), block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+              float(scale), int(window), float(softcap), block_tables.data_ptr<int32_t>(), block_tables.stride(0),
               seq_lens.data_ptr<int32_t>(), q_start.data_ptr<int32_t>(),
               num_parts > 0 ? part_acc.data_ptr<float>() : nullptr,
               num_parts > 0 ? part_ml.data_ptr<float>() : nullptr};
@@ -557,11 +582,14 @@ void check_items(const at::Tensor& items, const at::Tensor& merges, const at::Te
                     mg[3 * i + 1] + mg[3 * i + 2] <= num_parts, "bad merge row");
 }
 
-void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& q_start, const at::Tensor& items, const at::Tensor& merges,
-                     double scale, int64_t heads_per_task, int64_t num_parts, int64_t max_q) {
+// Sliding-window and softcapped layers; `window` 0 / `softcap` 0 = none.
+void paged_attention_windowed(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& q_start, const at::Tensor& items,
+                              const at::Tensor& merges, double scale, int64_t heads_per_task,
+                              int64_t num_parts, int64_t max_q, int64_t window, double softcap) {
   check_rows(query, "query");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0 = none)");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must be contiguous like query");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous (2, num_blocks, block_size, kv_heads, head_dim)");
@@ -577,13 +605,23 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
               num_parts, max_q, query.size(0));
   if (query.scalar_type() == at::kFloat) {
     paged_attention_impl<float>(out, query, kv_cache, block_tables, seq_lens, q_start, items,
-                                merges, scale, heads_per_task, num_parts, max_q);
+                                merges, scale, heads_per_task, num_parts, max_q, window, softcap);
   } else if (query.scalar_type() == at::kBFloat16) {
     paged_attention_impl<bf16>(out, query, kv_cache, block_tables, seq_lens, q_start, items,
-                               merges, scale, heads_per_task, num_parts, max_q);
+                               merges, scale, heads_per_task, num_parts, max_q, window, softcap);
   } else {
     TORCH_CHECK(false, "paged_attention: only float32 and bfloat16 are supported");
   }
+}
+
+// Plain causal attention. Its own op, signature unchanged: the C++ decoder loop
+// (decoder_loop_cpu.cpp) calls it through the dispatcher with exactly these arguments.
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& q_start, const at::Tensor& items, const at::Tensor& merges,
+                     double scale, int64_t heads_per_task, int64_t num_parts, int64_t max_q) {
+  paged_attention_windowed(out, query, kv_cache, block_tables, seq_lens, q_start, items, merges,
+                           scale, heads_per_task, num_parts, max_q, 0, 0.0);
 }
 
 // kv_cache[0/1] at flat slot slot_mapping[i] <- key/value[i] (rows may be strided views).
@@ -624,8 +662,13 @@ TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor q_start, Tensor items, Tensor merges, float scale, "
       "int heads_per_task, int num_parts, int max_q) -> ()");
+  m.def(
+      "paged_attention_windowed(Tensor(a!) out, Tensor query, Tensor kv_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor q_start, Tensor items, Tensor merges, "
+      "float scale, int heads_per_task, int num_parts, int max_q, int window, float softcap) -> ()");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("isa() -> str", &isa);
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+  m.impl("paged_attention_windowed", c10::DispatchKey::CPU, &paged_attention_windowed);
   m.impl("reshape_and_cache", c10::DispatchKey::CPU, &reshape_and_cache);
 }
