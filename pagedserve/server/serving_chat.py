@@ -149,10 +149,11 @@ def _constrain_after_reasoning(ctx: ServerContext, params: SamplingParams, parsi
     first (llguidance only; under xgrammar it applies from the first token)."""
     parser = parsing.reasoning_parser()
     spec = params.structured_outputs
-    manager = ctx.engine.structured_outputs
-    if parser is None or spec is None or manager is None or not parser.enabled:
+    if parser is None or spec is None or not parser.enabled:
         return params
-    if manager.backend_name != "llguidance":
+    # Replicas (a ReplicaSetEngine) compile in each replica: no local manager to ask.
+    manager = getattr(ctx.engine, "structured_outputs", None)
+    if manager is None or manager.backend_name != "llguidance":
         return params
     return dataclasses.replace(params, structured_outputs=after_reasoning(spec, parser.start, parser.end,
                                                                           parser.opened))
