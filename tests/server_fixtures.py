@@ -42,6 +42,14 @@ class LiveServer:
             assert time.monotonic() < deadline, "engine did not become idle"
             time.sleep(0.02)
 
+    def abort_count(self) -> float:
+        """Requests the server has finished as aborted (vLLM's request_success_total, reason abort)."""
+        import httpx
+
+        text = httpx.get(self.base_url + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line)
+
     def assert_no_leaks(self) -> None:
         """Idle, then the engine's leak check: every KV block free, every reference count zero."""
         self.wait_idle()

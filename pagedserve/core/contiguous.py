@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from pagedserve.config import KV_ALLOCATIONS
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
-from pagedserve.core.kv_manager_base import KVManagerBase
+from pagedserve.core.kv_manager_base import KVManagerBase, RecomputeOnly
 from pagedserve.request import Request
 
 CONTIGUOUS_KINDS = tuple(k for k in KV_ALLOCATIONS if k.startswith("contiguous-"))
@@ -204,8 +204,10 @@ def _classify(out: MemoryBreakdown, lo: int, hi: int, written: int, final: int) 
     out.internal += (hi - lo) - token - reserved
 
 
-class ContiguousKVCacheManager(KVManagerBase):
+class ContiguousKVCacheManager(RecomputeOnly, KVManagerBase):
     """One contiguous region per sequence; same interface as `KVCacheManager`."""
+
+    no_swap_reason = "contiguous allocation preempts by recompute only"
 
     pool: ExtentPool
 
@@ -310,23 +312,6 @@ class ContiguousKVCacheManager(KVManagerBase):
         self._pending_copies.pop(seq_id, None)
         if region is not None:
             self.pool.release(region.start, region.num_blocks)
-
-    # ---- swap: not offered (the baselines preempt by recompute, as the paper's Orca) ------
-
-    def can_swap_out(self, seq_id: str) -> bool:
-        return False
-
-    def swap_out(self, seq_id: str) -> list[tuple[int, int]]:
-        raise NotImplementedError("contiguous allocation preempts by recompute only")
-
-    def can_swap_in(self, seq_id: str, num_tokens: int = 0) -> bool:
-        return False
-
-    def swap_in(self, seq_id: str) -> list[tuple[int, int]]:
-        raise NotImplementedError("contiguous allocation preempts by recompute only")
-
-    def free_swapped(self, seq_id: str) -> None:
-        return None
 
     # ---- prefix cache: none (a region is private to its sequence) -------------------------
 

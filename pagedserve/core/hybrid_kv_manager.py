@@ -41,16 +41,18 @@ from collections.abc import Sequence
 
 from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
-from pagedserve.core.kv_manager_base import KVManagerBase
+from pagedserve.core.kv_manager_base import KVManagerBase, RecomputeOnly
 from pagedserve.request import Request
 
 
-class HybridKVCacheManager(KVManagerBase):
+class HybridKVCacheManager(RecomputeOnly, KVManagerBase):
     """Per-group block tables on one pool; implements `core.protocols.KVManager`.
 
     Args:
         windows: per layer group, its window in tokens (None = full attention).
     """
+
+    no_swap_reason = "models with windowed layers preempt by recompute only"
 
     pool: BlockPool
 
@@ -195,23 +197,6 @@ class HybridKVCacheManager(KVManagerBase):
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         return [pair for group in self.groups for pair in group.take_pending_copies()]
-
-    # ---- swap: not offered (preemption recomputes) ---------------------------------------
-
-    def can_swap_out(self, seq_id: str) -> bool:
-        return False
-
-    def swap_out(self, seq_id: str) -> list[tuple[int, int]]:
-        raise NotImplementedError("models with windowed layers preempt by recompute only")
-
-    def can_swap_in(self, seq_id: str, num_tokens: int = 0) -> bool:
-        return False
-
-    def swap_in(self, seq_id: str) -> list[tuple[int, int]]:
-        raise NotImplementedError("models with windowed layers preempt by recompute only")
-
-    def free_swapped(self, seq_id: str) -> None:
-        return None
 
     # ---- prefix cache: off ---------------------------------------------------------------
 

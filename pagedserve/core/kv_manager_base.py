@@ -77,3 +77,25 @@ class KVManagerBase(ABC):
         Returns:
             False, changing nothing, if the pool has too little free memory; True otherwise.
         """
+
+
+class RecomputeOnly:
+    """Swap, not offered: a manager whose preemption always recomputes (the contiguous
+    baselines, models with windowed layers). `no_swap_reason` names why in the error."""
+
+    no_swap_reason = "this KV manager preempts by recompute only"
+
+    def can_swap_out(self, seq_id: str) -> bool:
+        return False
+
+    def swap_out(self, seq_id: str) -> list[tuple[int, int]]:
+        raise NotImplementedError(self.no_swap_reason)
+
+    def can_swap_in(self, seq_id: str, num_tokens: int = 0) -> bool:
+        return False
+
+    def swap_in(self, seq_id: str) -> list[tuple[int, int]]:
+        raise NotImplementedError(self.no_swap_reason)
+
+    def free_swapped(self, seq_id: str) -> None:
+        return None

@@ -230,16 +230,10 @@ def test_thinking_block(server: LiveServer, client: anthropic.Anthropic) -> None
         live.assert_no_leaks()
 
 
-def _aborts(server: LiveServer) -> float:
-    text = httpx.get(server.base_url + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line)
-
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_leaving_aborts_the_request(server: LiveServer, stream: bool) -> None:
     """A client that leaves mid-generation (streamed or not) aborts its engine request."""
-    before = _aborts(server)
+    before = server.abort_count()
     body = {"model": TEST_MODEL, "max_tokens": 1900, "stream": stream, "temperature": 0.0,
             "messages": [{"role": "user", "content": "Write a long story"}]}
     with httpx.Client(timeout=httpx.Timeout(30, read=None if stream else 0.5)) as http:
@@ -251,7 +245,7 @@ def test_client_leaving_aborts_the_request(server: LiveServer, stream: bool) -> 
             with pytest.raises(httpx.ReadTimeout):
                 http.post(server.v1 + "/messages", json=body)
     deadline = time.monotonic() + 5
-    while _aborts(server) <= before:
+    while server.abort_count() <= before:
         assert time.monotonic() < deadline, "the request was not aborted"
         time.sleep(0.02)
     server.assert_no_leaks()
