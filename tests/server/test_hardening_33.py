@@ -88,7 +88,8 @@ def _wait_running(live: LiveServer, timeout_s: float = 60.0) -> None:
     # Generous: on a loaded 2-core machine a chat request's tokenizing and first step took > 10 s.
     deadline = time.monotonic() + timeout_s
     while not live.ctx.engine.call_in_engine_thread(lambda e: e.get_stats().scheduler.num_running > 0):
-        assert time.monotonic() < deadline, "the request never started running"
+        assert time.monotonic() < deadline, ("the request never started running",
+                                             live.ctx.engine.call_in_engine_thread(lambda e: e.get_stats().scheduler))
         time.sleep(0.02)
 
 
@@ -134,9 +135,14 @@ def test_engine_idle_within_2s_of_the_client_leaving(busy_server: LiveServer, pa
         with httpx.Client(base_url=server.base_url, timeout=60) as http, \
                 http.stream("POST", path, json=body) as resp:
             assert resp.status_code == 200
-            first = next(resp.iter_bytes())
+            # Held until the request runs: a dropped iterator closes the connection at once
+            # (httpx closes on GeneratorExit), so on a loaded machine the abort came before the
+            # engine scheduled the request and it never ran.
+            chunks = resp.iter_bytes()
+            first = next(chunks)
             assert b"error" not in first, first
             _wait_running(server)
+            chunks.close()
     else:
         thread = threading.Thread(target=call)
         thread.start()
