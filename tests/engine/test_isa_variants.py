@@ -108,6 +108,8 @@ def test_a_variant_the_cpu_cannot_run_is_refused_naming_its_flags():
     assert done.returncode != 0 and "PAGEDSERVE_ISA must be one of native, avx2, portable" in done.stderr
 
 
+# Slow (CI runs it): two minutes of the fast suite's ten on an AVX-512 machine.
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", [isa for isa in cpp_build.runnable_isas() if isa != envs.isa()])
 def test_kernel_tests_pass_under_every_other_variant(isa):
     """tests/kernels (run by this process for its own variant) again under each other variant
