@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from pagedserve.bench.agreement import CONFIGS, agreement, chat_prompts, divergence_margins
+from pagedserve.bench.llamacpp_side import forced, greedy
 
 # GGUF files made from the source: name -> llama_ftype (llama.h); "f32" is made first.
 FTYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}
@@ -115,38 +116,6 @@ def load_llama(path: str, kv: str, n_ctx: int, threads: int):
                  flash_attn=kv == "q8_0", seed=0, verbose=False)
 
 
-def llama_greedy(llm, prompt: list[int], new_tokens: int, eos: set[int]) -> list[int]:
-    """Greedy reply: argmax of the last row each step (the first maximum, like torch.argmax)."""
-    import numpy as np
-
-    llm.reset()
-    llm.eval(prompt)
-    reply: list[int] = []
-    while len(reply) < new_tokens:
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        reply.append(token)
-        if token in eos:
-            break
-        llm.eval([token])
-    return reply
-
-
-def llama_forced(llm, prompt: list[int], reply: list[int]) -> list[tuple[int, float]]:
-    """(top-1 token, top-1 minus top-2 logprob) predicting each reply token, `reply` read as
-    part of the prompt in one batch (quality.teacher_forced's rows)."""
-    import numpy as np
-
-    llm.reset()
-    llm.eval(prompt + reply)
-    rows = []
-    for pos in range(len(prompt) - 1, len(prompt) - 1 + len(reply)):
-        logits = llm.scores[pos]
-        top2 = np.argpartition(-logits, 1)[:2]
-        first, second = sorted(top2, key=lambda i: (-logits[i], i))
-        rows.append((int(first), float(logits[first] - logits[second])))  # logprob gap = logit gap
-    return rows
-
-
 def worker(request_path: str, response_path: str) -> None:
     try:
         import llama_cpp
@@ -163,10 +132,10 @@ def worker(request_path: str, response_path: str) -> None:
         start = time.perf_counter()
         weights, kv = LLAMA_CONFIGS[name]
         llm = load_llama(paths[weights], kv, n_ctx, req["threads"])
-        outputs = [llama_greedy(llm, p, req["new_tokens"], eos) for p in prompts]
+        outputs = [greedy(llm, p, req["new_tokens"], eos) for p in prompts]
         reference = results.get("f32", {"outputs": outputs})["outputs"]
-        forced = [llama_forced(llm, p, r) for p, r in zip(prompts, reference, strict=True)]
-        results[name] = {"outputs": outputs, "forced": forced, "file": paths[weights],
+        rows = [forced(llm, p, r) for p, r in zip(prompts, reference, strict=True)]
+        results[name] = {"outputs": outputs, "forced": rows, "file": paths[weights],
                          "tensor_types": tensor_types(paths[weights])}
         del llm
         print(f"# llama.cpp {name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
