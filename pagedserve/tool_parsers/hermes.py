@@ -7,14 +7,25 @@ or (SmolLM2's layout) a JSON list of them:
 Arguments are passed on as the model wrote them (the exact JSON text of the "arguments"
 value), so streamed pieces concatenate to exactly the non-streamed `arguments`. A block
 that holds no call stays in the content; an empty list (SmolLM2's "no call") is dropped.
+
+Calls written without the tags are taken too, as llama.cpp's Hermes-2-Pro / Qwen2.5 parser
+takes them: Qwen2.5-Coder-0.5B-Instruct (the `make serve` default), asked through its own
+template, answers a tool question with the bare object, often in a ```json fence (so does
+transformers on the same file). Only when the whole reply is such calls, each naming one of
+the request's tools with its arguments: anything else stays content. While streaming, a
+reply that may be one (it opens with "{", "[", "```json" or a bare "```") is held back until it ends.
 """
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 from pagedserve.tool_parsers.incremental import IncrementalToolParser, ParsedCalls
-from pagedserve.tool_parsers.json_calls import held_back, partial_call
+from pagedserve.tool_parsers.json_calls import DECODER, held_back, partial_call
 
 START, END = "<tool_call>", "</tool_call>"
+_FENCE = re.compile(r"\A```(?:json)?[ \t]*\n(.*?)\n?```\Z", re.S)
 
 
 class HermesToolParser(IncrementalToolParser):
@@ -24,6 +35,11 @@ class HermesToolParser(IncrementalToolParser):
                    "<args-json-object>}\n</tool_call>")
 
     def parse(self, text: str, final: bool) -> ParsedCalls:
+        if self.tools and START not in text:
+            if not final and _may_be_bare(text.lstrip()):
+                return "", []  # decided once the reply ends
+            if final and (bare := _bare_calls(text, self.tools)):
+                return "", bare
         content: list[str] = []
         calls: list[tuple[str, str]] = []
         pos = 0
@@ -81,3 +97,39 @@ def _block_calls(text: str, pos: int, complete: bool) -> tuple[list[tuple[str, s
             return calls, False
         calls.append((name, arguments))
         pos = end
+
+
+def _may_be_bare(head: str) -> bool:
+    """Whether a reply opening with `head` (stripped on the left) may still be bare calls."""
+    return head[:1] in ("", "{", "[") or any(f.startswith(head[:len(f)]) for f in ("```json", "```\n"))
+
+
+def _bare_calls(text: str, tools: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The calls of a reply that is nothing but untagged call objects (one, several, or a list;
+    maybe in a ```json fence), each naming a declared tool; [] for any other reply."""
+    body = text.strip()
+    fenced = _FENCE.match(body)
+    body = fenced.group(1).strip() if fenced else body
+    names = {t.get("function", {}).get("name") for t in tools}
+    calls: list[tuple[str, str]] = []
+    pos = 0
+    while pos < len(body):
+        if body[pos] in " \t\r\n,":
+            pos += 1
+            continue
+        try:
+            value, _ = DECODER.raw_decode(body, pos)
+        except ValueError:
+            return []
+        objects = value if isinstance(value, list) else [value]
+        if not objects or not all(isinstance(o, dict) and o.get("name") in names
+                                  and isinstance(o.get("arguments", o.get("parameters")), dict) for o in objects):
+            return []
+        if body[pos] == "[":  # a list ends the reply
+            found, ok = _block_calls(body, pos, complete=True)
+            return calls + found if ok else []
+        name, arguments, end = partial_call(body, pos)
+        assert name is not None and end is not None  # decoded above
+        calls.append((name, arguments))
+        pos = end
+    return calls

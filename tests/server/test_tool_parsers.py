@@ -99,6 +99,13 @@ RECORDED = [
     ("hermes", "I don't need a tool. <tool_call>[]</tool_call>", "I don't need a tool.", []),
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": "</tool"}}\n</tool_call>\n'
                '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>', None, [("f", {"a": "</tool"}), ("g", {})]),
+    # Qwen2.5-Coder-0.5B-Instruct's own replies (transformers, greedy, its template): untagged
+    # calls, bare or fenced; an undeclared name or other code stays content.
+    ("hermes", '{"name": "get_weather", "arguments": {"city": "Paris"}}', None, [("get_weather", {"city": "Paris"})]),
+    ("hermes", '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Tokyo"\n  }\n}\n```',
+     None, [("get_weather", {"city": "Tokyo"})]),
+    ("hermes", '{"name": "get_time", "arguments": {}}', '{"name": "get_time", "arguments": {}}', []),
+    ("hermes", "```python\nprint({1})\n```", "```python\nprint({1})\n```", []),
     # Llama 3.1 / 3.2 JSON, with and without <|python_tag|>, parallel calls split by ";".
     ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "San Francisco, CA", '
                     '"metric": false}}', None, [("get_weather", {"city": "San Francisco, CA", "metric": False})]),
