@@ -4,7 +4,7 @@ Every --tool-call-parser end to end: the random test model writes what a grammar
 here each family's call format, and the client gets OpenAI tool_calls, whole and streamed
 (the client's own stream helper assembles the deltas). Then a template that cannot render
 tools (the test model's ChatML, as SmolLM2's): auto describes them, required / named force a
-schema-valid call with no undeclared keys; and `make serve`'s SmolLM2 setup.
+schema-valid call with no undeclared keys; and the Makefile's serve recipes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
+from makefile_targets import make_serve_flags, recipe, serve_model
 from transformers import AutoTokenizer
+
+from pagedserve.models.catalog import CATALOG
 
 from server_fixtures import SERVE_ARGS, TEST_MODEL, LiveServer, running_server
 
@@ -132,13 +135,18 @@ def test_plain_template_agent_loop_is_served(plain_server: LiveServer) -> None:
     plain_server.assert_no_leaks()
 
 
-# ---- `make serve`: SmolLM2 with its tools template and the hermes parser -----------------
+# ---- the Makefile: `make serve` (a catalog Qwen with its own template, slow test in
+# tests/models/test_real_qwen.py) and `make serve-demo` (SmolLM2, its tools template) -------
+
+
+def test_make_serve_is_the_catalog_default_with_its_own_template() -> None:
+    assert serve_model() == "qwen2.5-coder-0.5b-instruct" and serve_model() in CATALOG
+    assert make_serve_flags() == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # no --chat-template
 
 
 def _make_serve_tool_flags() -> list[str]:
-    """The tool flags of the Makefile's serve line (so this test follows it)."""
-    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
-    line = makefile[makefile.index("\nserve:"):].split("\n\n")[0].replace("\\\n", " ")
+    """The tool flags of the Makefile's serve-demo line (so this test follows it)."""
+    line = " ".join(recipe("serve-demo"))
     flags = line.split(" serve-args)", 1)[1].split()
     assert flags == ["--chat-template", "pagedserve/chat_templates/smollm2_tools.jinja",
                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
@@ -159,7 +167,7 @@ def smol_server() -> Iterator[LiveServer]:
         yield live
 
 
-def test_make_serve_tool_calling(smol_server: LiveServer) -> None:
+def test_make_serve_demo_tool_calling(smol_server: LiveServer) -> None:
     """What a third-party client run met as 400s (issue 37.7): tools with auto, and a named
     call that must not come back padded with undeclared keys."""
     client = openai.OpenAI(base_url=smol_server.v1, api_key="EMPTY", max_retries=0)
