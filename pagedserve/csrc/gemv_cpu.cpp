@@ -725,33 +725,91 @@ void int8_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tens
   });
 }
 
-// Load: ChanI4 or ChanBits<5 / 6>. Param pairs (N/16, K/group, 2, 16) (see group_affine), or
-// with Centered a scale alone (N/16, K/group, 16): W = (q - 2^(Bits-1)) s, level 0 = -2^(Bits-1) s
-// (exact in float32: a power of two times s), a GGUF file's Q5_0 / Q6_K in their own bytes.
-template <class Param, class Load, bool Centered = false>
-void int4_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& sz,
-                       const float* bias, at::Tensor& y, float center = 0.0f) {
+// A group's parameters as s (scale) and l0 (level 0, the weight of q = 0) vectors for the
+// 16 channels of tile t, group g, from one of the parameter forms below.
+// Param pairs (N/16, K/group, 2, 16) (see group_affine), or with Centered a scale alone
+// (N/16, K/group, 16): W = (q - 2^(Bits-1)) s, level 0 = -2^(Bits-1) s (exact in float32: a
+// power of two times s), a GGUF file's Q5_0 / Q6_K in their own bytes.
+template <class Param, bool Centered>
+struct DenseParams {
+  const Param* p;
+  int64_t groups;
+  float center;
+  static constexpr int64_t kPerGroup = Centered ? kTile : 2 * kTile;
+  inline void operator()(int64_t t, int64_t g, __m256& s0, __m256& s1, __m256& l0, __m256& l1) const {
+    const Param* st = p + (t * groups + g) * kPerGroup;
+    if constexpr (Centered) {
+      load_param16(st, s0, s1);
+      const __m256 minus_center = _mm256_set1_ps(-center);
+      l0 = _mm256_mul_ps(s0, minus_center);
+      l1 = _mm256_mul_ps(s1, minus_center);
+    } else {
+      group_affine(st, s0, s1, l0, l1);
+    }
+  }
+};
+
+// A GGUF file's K-quant parameters in (nearly) the file's bytes ("super-block parameters"):
+// per tile and super-block of 256 k, uint8 (N/16, K/256, B):
+//   Affine (B = 80 + 32 G):  d float16[16], dmin float16[16], center uint8[16], then per group
+//                            (G = 256 / group of them) sc int8[16], m int8[16]
+//   centered (B = 32 + 16 G): d float16[16], then per group sc int8[16]; center 2^(Bits-1)
+// s = d * sc and dm = dmin * m in float32, as gguf.dequantize computes them (one rounding
+// each, the same float32 numbers the float32 (s, l0) form holds), l0 = -(center * s) - dm:
+// Q4_K / Q5_K: center 0, so l0 = -dmin m; Q6_K fused beside them: dmin = m = 0, center 32,
+// l0 = -32 s (exact). Q6_K alone: the centered form. Where float32 pairs cost 8 bytes per
+// channel and group (Q4_K: 2 bits a weight over the file's 0.5), this is 0.66 bits a weight;
+// a decode step reads ~the file's bytes.
+template <bool Affine>
+struct KParams {
+  const uint8_t* p;
+  int64_t per_sb;       // groups per super-block (G)
+  int64_t sb_bytes;     // B
+  int64_t sbs;          // super-blocks per tile (K / 256)
+  float center;         // centered form: 2^(Bits-1)
+  static constexpr int64_t kHead = Affine ? 80 : 32, kPerGroup = Affine ? 32 : 16;
+  static inline __m256 i8x8(const uint8_t* b) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+  }
+  static inline __m256 u8x8(const uint8_t* b) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+  }
+  static inline __m256 h8(const uint8_t* b) { return load_half8(reinterpret_cast<const c10::Half*>(b)); }
+  inline void operator()(int64_t t, int64_t g, __m256& s0, __m256& s1, __m256& l0, __m256& l1) const {
+    const uint8_t* sb = p + (t * sbs + g / per_sb) * sb_bytes;
+    const uint8_t* gp = sb + kHead + (g % per_sb) * kPerGroup;
+    s0 = _mm256_mul_ps(h8(sb), i8x8(gp));
+    s1 = _mm256_mul_ps(h8(sb + 16), i8x8(gp + 8));
+    if constexpr (Affine) {
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      const __m256 ndm0 = _mm256_xor_ps(_mm256_mul_ps(h8(sb + 32), i8x8(gp + 16)), sign);
+      const __m256 ndm1 = _mm256_xor_ps(_mm256_mul_ps(h8(sb + 48), i8x8(gp + 24)), sign);
+      l0 = _mm256_fnmadd_ps(u8x8(sb + 64), s0, ndm0);
+      l1 = _mm256_fnmadd_ps(u8x8(sb + 72), s1, ndm1);
+    } else {
+      const __m256 minus_center = _mm256_set1_ps(-center);
+      l0 = _mm256_mul_ps(s0, minus_center);
+      l1 = _mm256_mul_ps(s1, minus_center);
+    }
+  }
+};
+
+// Load: ChanI4 or ChanBits<5 / 6>; Params: a form above, `groups` groups of K / groups k.
+template <class Load, class Params>
+void int4_grouped_impl(const at::Tensor& xf, const at::Tensor& q, int64_t groups, const Params& params,
+                       const float* bias, at::Tensor& y) {
   const int64_t M = xf.size(0), K = xf.size(1), tiles = q.size(0), N = tiles * kTile;
-  const int64_t groups = sz.size(1), group = K / groups, per_group = Centered ? kTile : 2 * kTile;
+  const int64_t group = K / groups;
   const float* xd = xf.data_ptr<float>();
   const std::vector<float> xsum = group_sums(xd, M, K, groups);
   const uint8_t* qd = q.data_ptr<uint8_t>();
-  const auto* szd = reinterpret_cast<const Param*>(sz.data_ptr());
   const TileOut out(y, bias, N);
-  const __m256 minus_center = _mm256_set1_ps(-center);
   for_tiles(tiles, K * Load::kBytesPerK, M, [&](int64_t t, float* tot) {
     std::fill(tot, tot + M * kTile, 0.0f);
-    const Param* st = szd + t * groups * per_group;
     chan_all_rows(xd, M, K, group, Load{qd + t * K * Load::kBytesPerK},
                   [&](int64_t m0, int64_t g, __m256 (*acc)[2], int mt) {
                     __m256 s0, s1, l0, l1;
-                    if constexpr (Centered) {
-                      load_param16(st + g * per_group, s0, s1);
-                      l0 = _mm256_mul_ps(s0, minus_center);
-                      l1 = _mm256_mul_ps(s1, minus_center);
-                    } else {
-                      group_affine(st + g * per_group, s0, s1, l0, l1);
-                    }
+                    params(t, g, s0, s1, l0, l1);
                     fold_group<true>(tot, m0, g, groups, acc, mt, s0, s1, l0, l1, xsum.data());
                   });
     out.store(tot, M, t);
@@ -764,33 +822,23 @@ void int4_grouped_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tens
 // run of the output, so each (tile, k) is two vector stores. q * s + l0 by one FMA (q * s is
 // exact, so this is gguf's d * q - dm, one rounding), or (q - center) * s (exact difference,
 // one rounding). Threads take tiles.
-template <class Load, class Param, bool Centered>
-void dequant_tiles_impl(const at::Tensor& q, const at::Tensor& sz, float center, at::Tensor& wt) {
-  const int64_t tiles = q.size(0), K = q.size(1), N = tiles * kTile, groups = sz.size(1), group = K / groups;
-  const int64_t per_group = Centered ? kTile : 2 * kTile;
+template <class Load, class Params>
+void dequant_tiles_impl(const at::Tensor& q, int64_t groups, const Params& params, at::Tensor& wt) {
+  const int64_t tiles = q.size(0), K = q.size(1), N = tiles * kTile, group = K / groups;
   const auto* qd = reinterpret_cast<const uint8_t*>(q.data_ptr());
-  const auto* szd = reinterpret_cast<const Param*>(sz.data_ptr());
   float* out = wt.data_ptr<float>();
-  const __m256 c = _mm256_set1_ps(center);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const Load load{reinterpret_cast<decltype(Load::w)>(qd + t * K * Load::kBytesPerK)};
       for (int64_t g = 0; g < groups; ++g) {
-        __m256 s0, s1, l0 = _mm256_setzero_ps(), l1 = l0;
-        const Param* p = szd + (t * groups + g) * per_group;
-        if constexpr (Centered) load_param16(p, s0, s1);
-        else group_affine(p, s0, s1, l0, l1);
+        __m256 s0, s1, l0, l1;
+        params(t, g, s0, s1, l0, l1);
         for (int64_t k = g * group; k < (g + 1) * group; ++k) {
           __m256 lo, hi;
           load(k, lo, hi);
           float* o = out + k * N + t * kTile;
-          if constexpr (Centered) {
-            _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_sub_ps(lo, c), s0));
-            _mm256_storeu_ps(o + 8, _mm256_mul_ps(_mm256_sub_ps(hi, c), s1));
-          } else {
-            _mm256_storeu_ps(o, _mm256_fmadd_ps(lo, s0, l0));
-            _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(hi, s1, l1));
-          }
+          _mm256_storeu_ps(o, _mm256_fmadd_ps(lo, s0, l0));
+          _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(hi, s1, l1));
         }
       }
     }
@@ -929,16 +977,54 @@ void int8_q8_impl(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& s
   });
 }
 
+// The 4 / 5 / 6-bit tiles' parameter forms (checked by the op): `body(params, groups)` with
+// the matching Params functor.
+template <class Body>
+void with_bits_params(const at::Tensor& sz, int64_t K, int bits, Body body) {
+  const float center = static_cast<float>(1 << (bits - 1));
+  const auto kind = sz.scalar_type();
+  if (kind == at::kByte) {  // super-block parameters (KParams)
+    const int64_t B = sz.size(2), sbs = sz.size(1);
+    const bool affine = (B - 80) % 32 == 0 && B >= 112;
+    const int64_t G = affine ? (B - 80) / 32 : (B - 32) / 16;
+    const uint8_t* p = sz.data_ptr<uint8_t>();
+    if (affine) body(KParams<true>{p, G, B, sbs, center}, (K / 256) * G);
+    else body(KParams<false>{p, G, B, sbs, center}, (K / 256) * G);
+    return;
+  }
+  const int64_t groups = sz.size(1);
+  const bool centered = sz.dim() == 3;
+  const void* p = sz.data_ptr();
+  if (kind == at::kBFloat16) body(DenseParams<bf16, false>{static_cast<const bf16*>(p), groups, center}, groups);
+  else if (kind == at::kHalf && centered)
+    body(DenseParams<c10::Half, true>{static_cast<const c10::Half*>(p), groups, center}, groups);
+  else if (kind == at::kHalf) body(DenseParams<c10::Half, false>{static_cast<const c10::Half*>(p), groups, center}, groups);
+  else if (centered) body(DenseParams<float, true>{static_cast<const float*>(p), groups, center}, groups);
+  else body(DenseParams<float, false>{static_cast<const float*>(p), groups, center}, groups);
+}
+
+template <class Body>
+void with_bits_load(int bits, Body body) {
+  if (bits == 4) body(ChanI4{});
+  else if (bits == 5) body(ChanBits<5>{});
+  else body(ChanBits<6>{});
+}
+
+void int4_grouped_run(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& sz, int bits, const float* bias,
+                      at::Tensor& y) {
+  with_bits_load(bits, [&](auto load) {
+    using L = decltype(load);
+    with_bits_params(sz, q.size(1), bits, [&](const auto& params, int64_t groups) {
+      int4_grouped_impl<L>(xf, q, groups, params, bias, y);
+    });
+  });
+}
+
 #else  // no AVX2: the kernels are never reached (run_grouped refuses first); these keep the ops compiling
 
 template <class Param, bool Affine>
 void int8_grouped_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&) {}
-template <class Param, class Load, bool Centered = false>
-void int4_grouped_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&,
-                       float = 0.0f) {}
-struct ChanI4 {};
-template <int Bits>
-struct ChanBits {};
+void int4_grouped_run(const at::Tensor&, const at::Tensor&, const at::Tensor&, int, const float*, at::Tensor&) {}
 void int8_q8_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&) {}
 
 #endif  // PAGEDSERVE_AVX2
@@ -1074,6 +1160,18 @@ at::Tensor run_grouped(const at::Tensor& x_in, const at::Tensor& x, int64_t tile
   return y;
 }
 
+// Super-block parameters (KParams): uint8 (N/16, K/256, B), B = 80 + 32 G (affine) or 32 + 16 G
+// (centered), G groups of 256 / G >= 16 k a super-block.
+void check_bits_superblocks(int64_t K, int64_t tiles, const at::Tensor& sz, const char* op) {
+  const int64_t B = sz.dim() == 3 ? sz.size(2) : 0;
+  const bool affine = B >= 112 && (B - 80) % 32 == 0, centered = B >= 48 && (B - 32) % 16 == 0 && !affine;
+  const int64_t G = affine ? (B - 80) / 32 : centered ? (B - 32) / 16 : 0;
+  TORCH_CHECK(sz.is_contiguous() && sz.dim() == 3 && sz.size(0) == tiles && K % 256 == 0 && sz.size(1) == K / 256 &&
+                  G > 0 && G <= 16 && 256 % G == 0,
+              op, ": super-block parameters must be contiguous uint8 (N/16, K/256, 80 + 32 G or 32 + 16 G), G in 1..16 "
+              "dividing 256");
+}
+
 // The int8 layouts' scales: (N/16, K/group, 16) float16.
 void check_int8_scales(const at::Tensor& scale, const char* op) {
   TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(2) == kTile, op,
@@ -1125,33 +1223,18 @@ at::Tensor gemv_int4_grouped(const at::Tensor& x_in, const at::Tensor& q, const 
   check_grouped(x, q, scales_zeros, bytes_per_k, bias, op, kind == at::kBFloat16 ? 32 : 16);
   TORCH_CHECK(q.scalar_type() == at::kByte, op, ": q must be uint8");
   const bool centered = scales_zeros.dim() == 3;
-  TORCH_CHECK(centered ? (kind == at::kHalf || kind == at::kFloat) && scales_zeros.size(2) == kTile
-                       : (kind == at::kHalf || kind == at::kFloat || (kind == at::kBFloat16 && bits == 4)) &&
-                             scales_zeros.dim() == 4 && scales_zeros.size(2) == 2 && scales_zeros.size(3) == kTile,
-              op, ": scales_zeros must be (N/16, K/group, 2, 16) bfloat16 (scale, zero; 4 bits), float16 (d, m) "
-              "or float32 (s, l0), or (N/16, K/group, 16) float16 / float32 scales of q - 2^(bits-1)");
-  const float center = static_cast<float>(1 << (bits - 1));
+  if (kind == at::kByte) {
+    check_bits_superblocks(x.size(1), q.size(0), scales_zeros, op);
+  } else {
+    TORCH_CHECK(centered ? (kind == at::kHalf || kind == at::kFloat) && scales_zeros.size(2) == kTile
+                         : (kind == at::kHalf || kind == at::kFloat || (kind == at::kBFloat16 && bits == 4)) &&
+                               scales_zeros.dim() == 4 && scales_zeros.size(2) == 2 && scales_zeros.size(3) == kTile,
+                op, ": scales_zeros must be (N/16, K/group, 2, 16) bfloat16 (scale, zero; 4 bits), float16 (d, m) "
+                "or float32 (s, l0), or (N/16, K/group, 16) float16 / float32 scales of q - 2^(bits-1), or uint8 "
+                "super-block parameters (N/16, K/256, 80 + 32 G or 32 + 16 G)");
+  }
   return run_grouped(x_in, x, q.size(0), bias, op, [&](const at::Tensor& xf, const float* bd, at::Tensor& y) {
-    // Every (parameter form, width): one instantiation each.
-    auto run = [&](auto param, auto load) {
-      using P = decltype(param);
-      using L = decltype(load);
-      if (centered)
-        int4_grouped_impl<P, L, true>(xf, q, scales_zeros, bd, y, center);
-      else
-        int4_grouped_impl<P, L>(xf, q, scales_zeros, bd, y);
-    };
-    auto by_width = [&](auto param) {
-      if (bits == 4) run(param, ChanI4{});
-      else if (bits == 5) run(param, ChanBits<5>{});
-      else run(param, ChanBits<6>{});
-    };
-    if (kind == at::kBFloat16)
-      int4_grouped_impl<bf16, ChanI4>(xf, q, scales_zeros, bd, y);
-    else if (kind == at::kHalf)
-      by_width(c10::Half{});
-    else
-      by_width(float{});
+    int4_grouped_run(xf, q, scales_zeros, bits, bd, y);
   });
 }
 
@@ -1166,35 +1249,34 @@ at::Tensor gemv_dequant_tiles(const at::Tensor& q, const at::Tensor& sz) {
 #if defined(PAGEDSERVE_AVX2)
   const auto kind = sz.scalar_type();
   const bool centered = sz.dim() == 3;
-  TORCH_CHECK(sz.size(-1) == kTile && (centered || sz.size(2) == 2), op, ": parameters (.., 16) or (.., 2, 16)");
   if (q.scalar_type() == at::kChar) {
+    TORCH_CHECK(sz.size(-1) == kTile && (centered || sz.size(2) == 2), op, ": parameters (.., 16) or (.., 2, 16)");
     TORCH_CHECK((centered && kind == at::kHalf) || (!centered && kind == at::kFloat), op,
                 ": int8 tiles take float16 scales or float32 (s, l0) pairs");
-    if (centered) dequant_tiles_impl<ChanI8, c10::Half, true>(q, sz, 0.0f, wt);
-    else dequant_tiles_impl<ChanI8, float, false>(q, sz, 0.0f, wt);
+    const int64_t groups = sz.size(1);
+    if (centered)
+      dequant_tiles_impl<ChanI8>(q, groups, DenseParams<c10::Half, true>{sz.data_ptr<c10::Half>(), groups, 0.0f}, wt);
+    else
+      dequant_tiles_impl<ChanI8>(q, groups, DenseParams<float, false>{sz.data_ptr<float>(), groups, 0.0f}, wt);
     return wt;
   }
   const int64_t nbytes = q.size(2);
   TORCH_CHECK(q.scalar_type() == at::kByte && (nbytes == 8 || nbytes == 10 || nbytes == 12), op,
               ": uint8 tiles of 8, 10 or 12 bytes per k");
   const int bits = static_cast<int>(4 + (nbytes - 8) / 2);
-  const float center = static_cast<float>(1 << (bits - 1));
-  TORCH_CHECK(kind == at::kHalf || kind == at::kFloat || (kind == at::kBFloat16 && bits == 4 && !centered), op,
-              ": parameters float16 / float32 (bfloat16: 4-bit pairs)");
-  auto run = [&](auto param, auto load) {
-    using P = decltype(param);
+  if (kind == at::kByte) {
+    check_bits_superblocks(q.size(1), q.size(0), sz, op);
+  } else {
+    TORCH_CHECK(sz.size(-1) == kTile && (centered || sz.size(2) == 2), op, ": parameters (.., 16) or (.., 2, 16)");
+    TORCH_CHECK(kind == at::kHalf || kind == at::kFloat || (kind == at::kBFloat16 && bits == 4 && !centered), op,
+                ": parameters float16 / float32 (bfloat16: 4-bit pairs)");
+  }
+  with_bits_load(bits, [&](auto load) {
     using L = decltype(load);
-    if (centered) dequant_tiles_impl<L, P, true>(q, sz, center, wt);
-    else dequant_tiles_impl<L, P, false>(q, sz, center, wt);
-  };
-  auto by_width = [&](auto param) {
-    if (bits == 4) run(param, ChanI4{});
-    else if (bits == 5) run(param, ChanBits<5>{});
-    else run(param, ChanBits<6>{});
-  };
-  if (kind == at::kBFloat16) dequant_tiles_impl<ChanI4, bf16, false>(q, sz, 0.0f, wt);
-  else if (kind == at::kHalf) by_width(c10::Half{});
-  else by_width(float{});
+    with_bits_params(sz, q.size(1), bits, [&](const auto& params, int64_t groups) {
+      dequant_tiles_impl<L>(q, groups, params, wt);
+    });
+  });
 #else
   TORCH_CHECK(false, op, ": this build has no AVX2/FMA support");
 #endif

@@ -34,7 +34,16 @@ from torch import nn
 
 from pagedserve.quantization import gemv
 from pagedserve.quantization.base import LinearCall, LinearMethod, add_bias, linear_call
-from pagedserve.quantization.gguf_decode import BLOCKS, FOUR_BIT, HALF_SCALES, decode
+from pagedserve.quantization.gguf_decode import (
+    BLOCKS,
+    FOUR_BIT,
+    HALF_SCALES,
+    K_TYPES,
+    Decoded,
+    KParts,
+    decode,
+    k_parts,
+)
 from pagedserve.quantization.int4 import Int4LinearMethod
 from pagedserve.quantization.int8_grouped import Int8GroupedLinearMethod
 
@@ -253,6 +262,9 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
     def _install(self, layer: nn.Module, parts: list[object]) -> None:
         qtypes = [p.qtype for p in parts]  # type: ignore[attr-defined]
         decoded = [decode(p.qtype, p.blocks, p.shape) for p in parts]  # type: ignore[attr-defined]
+        if set(qtypes) <= set(K_TYPES):
+            self._install_superblocks(layer, parts, decoded)
+            return
         bits = 6 if "Q6_K" in qtypes else 5
         center = 1 << (bits - 1)
         group = min(d.group for d in decoded)
@@ -269,6 +281,25 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
             params = gemv.pack_affine_params(scale, level0)
         layer.register_buffer("qweight_tiles", gemv.pack_bits(q.to(torch.uint8), bits))
         layer.register_buffer("scale_tiles", params)
+
+    def _install_superblocks(self, layer: nn.Module, parts: list[object], decoded: list[Decoded]) -> None:
+        """K-quants alone (Q4_K / Q5_K / Q6_K, any mix): tiles of the widest type's bits and the
+        file's own parameters per super-block (`pack_superblock_params`), ~the file's bytes."""
+        qtypes = [p.qtype for p in parts]  # type: ignore[attr-defined]
+        bits = 6 if "Q6_K" in qtypes else 5 if "Q5_K" in qtypes else 4
+        center = 1 << (bits - 1)
+        kparts = [k_parts(p.qtype, p.blocks, p.shape) for p in parts]  # type: ignore[attr-defined]
+        group = min(k.group for k in kparts)
+        kparts = [k.regrouped(group) for k in kparts]
+        q = torch.cat([d.q + (center if t in CENTERED else 0) for t, d in zip(qtypes, decoded, strict=True)])
+        centers = None
+        if not all(t in CENTERED for t in qtypes):  # affine: Q6_K shards keep their center per channel
+            centers = torch.cat([torch.full((k.sc.shape[0],), center if t in CENTERED else 0, dtype=torch.uint8)
+                                 for t, k in zip(qtypes, kparts, strict=True)])
+        merged = KParts(torch.cat([k.d for k in kparts]), torch.cat([k.dmin for k in kparts]),
+                        torch.cat([k.sc for k in kparts]), torch.cat([k.m for k in kparts]), group)
+        layer.register_buffer("qweight_tiles", gemv.pack_bits(q.to(torch.uint8), bits))
+        layer.register_buffer("scale_tiles", pack_superblock_params(merged, centers))
 
     def weight_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
         return [layer.qweight_tiles, layer.scale_tiles]
@@ -298,7 +329,10 @@ def _bits_blocks(layer: nn.Module, dtype: torch.dtype) -> Iterator[torch.Tensor]
     tiles: torch.Tensor = layer.qweight_tiles  # type: ignore[assignment]
     params: torch.Tensor = layer.scale_tiles  # type: ignore[assignment]
     num_tiles, in_features, nbytes = tiles.shape
-    groups, center = params.shape[1], 1 << (3 + (nbytes - 8) // 2)
+    center = 1 << (3 + (nbytes - 8) // 2)
+    if params.dtype == torch.uint8:
+        params = superblock_params_as_float(params, center)
+    groups = params.shape[1]
     step = max(1, (1 << 20) // (in_features * gemv.TILE))
     for t in range(0, num_tiles, step):
         q = gemv.unpack_bits(tiles[t : t + step]).float()  # (16 T, in)
@@ -311,6 +345,63 @@ def _bits_blocks(layer: nn.Module, dtype: torch.dtype) -> Iterator[torch.Tensor]
             s = p[:, :, 0].transpose(1, 2).reshape(rows, groups)
             w = q * s[..., None] + p[:, :, 1].transpose(1, 2).reshape(rows, groups)[..., None]
         yield w.view(rows, in_features).to(dtype)
+
+
+# ---- K-quants' parameters in the file's bytes ("super-block parameters", csrc/gemv_cpu.cpp's
+# KParams): float32 (s, l0) pairs per channel and group cost 8 bytes a 32 weights (Q4_K: 2 bits a
+# weight beside the file's 0.5), and a decode step read 1.6-1.8x the file's bytes; these are
+# 0.56-0.66 bits a weight, and the kernel multiplies s = d * sc and dm = dmin * m out in float32
+# per group, the same single roundings gguf.dequantize makes.
+
+# bytes before the groups in a super-block: affine d, dmin (float16), center (uint8); centered d
+_AFFINE_HEAD, _CENTERED_HEAD = 80, 32
+
+
+def _by_tile(x: torch.Tensor) -> torch.Tensor:
+    """(out, S, G, b) uint8 -> (out / 16, S, G * 16 * b): the 16 channels of a tile contiguous."""
+    out_features, supers, groups, nbytes = x.shape
+    tiles = x.view(out_features // gemv.TILE, gemv.TILE, supers, groups, nbytes).permute(0, 2, 3, 1, 4)
+    return tiles.reshape(out_features // gemv.TILE, supers, groups * gemv.TILE * nbytes)
+
+
+def pack_superblock_params(k: KParts, centers: torch.Tensor | None) -> torch.Tensor:
+    """K-quant parameters (out rows) -> uint8 (out / 16, in / 256, B) per tile and super-block:
+    centered (`centers` None: every shard Q6_K, W = (q - 2^(bits-1)) d sc), B = 32 + 16 G:
+    d float16[16], then per group sc int8[16]; else B = 80 + 32 G: d, dmin float16[16], the
+    channels' centers uint8[16] (32 for a Q6_K shard, 0 for Q4_K / Q5_K), then per group
+    sc int8[16], m int8[16]: W = q d sc - center d sc - dmin m (G = 256 / group)."""
+    out_features, supers = k.d.shape
+    groups = k.sc.shape[1] // supers
+
+    def half(x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous().view(torch.uint8).view(out_features, supers, 1, 2)
+
+    sc = k.sc.view(torch.uint8).view(out_features, supers, groups, 1)
+    if centers is None:
+        return torch.cat((_by_tile(half(k.d)), _by_tile(sc)), dim=-1).contiguous()
+    c = centers.view(out_features, 1, 1, 1).expand(out_features, supers, 1, 1)
+    pairs = torch.cat((sc, k.m.view(torch.uint8).view(out_features, supers, groups, 1)), dim=-1)
+    pairs = pairs.view(out_features // gemv.TILE, gemv.TILE, supers, groups, 2).permute(0, 2, 3, 4, 1)
+    pairs = pairs.reshape(out_features // gemv.TILE, supers, groups * 2 * gemv.TILE)
+    return torch.cat((_by_tile(half(k.d)), _by_tile(half(k.dmin)), _by_tile(c), pairs), dim=-1).contiguous()
+
+
+def superblock_params_as_float(params: torch.Tensor, center: int) -> torch.Tensor:
+    """`pack_superblock_params`' bytes -> the float32 forms the kernel computes from them:
+    (T, in / group, 16) scales of q - center (centered), or (T, in / group, 2, 16) (s, l0)."""
+    num_tiles, supers, nbytes = params.shape
+    affine = nbytes >= 112 and (nbytes - _AFFINE_HEAD) % 32 == 0
+    head = _AFFINE_HEAD if affine else _CENTERED_HEAD
+    groups = (nbytes - head) // (32 if affine else 16)
+    d = params[..., :32].contiguous().view(torch.float16).float()[:, :, None, :]  # (T, S, 1, 16)
+    body = params[..., head:].contiguous().view(torch.int8).view(num_tiles, supers, groups, -1, gemv.TILE)
+    s = d * body[:, :, :, 0].float()  # (T, S, G, 16): float32(d) * sc, gguf's rounding
+    if not affine:
+        return s.reshape(num_tiles, supers * groups, gemv.TILE)
+    dmin = params[..., 32:64].contiguous().view(torch.float16).float()[:, :, None, :]
+    c = params[..., 64:80].float()[:, :, None, :]
+    level0 = -(dmin * body[:, :, :, 1].float()) - c * s
+    return torch.stack((s, level0), dim=3).reshape(num_tiles, supers * groups, 2, gemv.TILE)
 
 
 def gguf_method(qtypes: set[str], kernel: bool) -> LinearMethod | None:
@@ -328,6 +419,8 @@ def gguf_method(qtypes: set[str], kernel: bool) -> LinearMethod | None:
         return GGUFInt4Method()
     if not kernel:
         return None
+    if qtypes <= set(K_TYPES):  # the file's parameter bytes (super-block parameters)
+        return GGUFBitsMethod()
     if qtypes <= set(FOUR_BIT):
         return GGUFInt4Method()
     return GGUFBitsMethod() if qtypes <= BITS_TYPES else GGUFInt8Method()

@@ -194,6 +194,61 @@ def _iq4_xs(b: np.ndarray) -> _Parts:
     return values[(qs & 0x0F).reshape(-1, 8, 32)], d * sc.astype(np.float32), None, 32
 
 
+# ---- K-quants' parameters as the file holds them (integers and float16) ----------------------
+
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256 whose s / l0 come from integers
+
+
+@dataclasses.dataclass(frozen=True)
+class KParts:
+    """A K-quant tensor's parameters before gguf multiplies them: per super-block of 256 float16
+    d and dmin, per group of `group` an integer scale sc and min m, so that gguf's
+    s = float32(d) * sc and l0 = -(float32(dmin) * m) (Q6_K: dmin = m = 0, and its q is
+    centered: see `decode`)."""
+
+    d: torch.Tensor  # float16 (out, in / 256)
+    dmin: torch.Tensor  # float16 (out, in / 256)
+    sc: torch.Tensor  # int8 (out, in / group)
+    m: torch.Tensor  # int8 (out, in / group), 0..63
+    group: int
+
+    def regrouped(self, group: int) -> KParts:
+        """The same parameters for a smaller group (repeated: exact)."""
+        r = self.group // group
+        return KParts(self.d, self.dmin, self.sc.repeat_interleave(r, dim=1),
+                      self.m.repeat_interleave(r, dim=1), group)
+
+
+def k_parts(qtype: str, raw: torch.Tensor, shape: tuple[int, int]) -> KParts:
+    """A K-quant tensor's raw blocks -> its KParts (the integers `decode` multiplies out)."""
+    if qtype not in K_TYPES:
+        raise ValueError(f"{qtype} is not a K-quant with integer sub-block scales")
+    per_block, nbytes = BLOCKS[qtype]
+    out_features, in_features = shape
+    if in_features % per_block:
+        raise ValueError(f"GGUF {qtype} needs in_features % {per_block} == 0, got {shape}")
+    b = raw.reshape(-1).numpy().view(np.uint8).reshape(-1, nbytes)
+    if qtype == "Q6_K":
+        d = b[:, 208:210].copy().view(np.float16)[:, 0]
+        dmin = np.zeros_like(d)
+        sc = b[:, 192:208].copy().view(np.int8)
+        mn = np.zeros_like(sc)
+        group = 16
+    else:
+        d, dmin = b[:, 0:2].copy().view(np.float16)[:, 0], b[:, 2:4].copy().view(np.float16)[:, 0]
+        sc6, m6 = _k_scale_min(b[:, 4:16])
+        sc, mn = sc6.astype(np.int8), m6.astype(np.int8)
+        group = 32
+    blocks = in_features // per_block
+    return KParts(
+        torch.from_numpy(np.ascontiguousarray(d)).reshape(out_features, blocks),
+        torch.from_numpy(np.ascontiguousarray(dmin)).reshape(out_features, blocks),
+        torch.from_numpy(np.ascontiguousarray(sc)).reshape(out_features, -1),
+        torch.from_numpy(np.ascontiguousarray(mn)).reshape(out_features, -1),
+        group,
+    )
+
+
 _DECODERS = {
     "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
     "IQ4_NL": _iq4_nl, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_XS": _iq4_xs,

@@ -68,12 +68,15 @@ def _layer(qtypes: tuple[str, ...], bias: bool) -> tuple[MergedColumnParallelLin
 # scales or pairs; the types people publish alone and fused.
 CASES = [("Q4_K",), ("Q4_K", "Q4_0"), ("Q6_K",), ("Q5_0",), ("Q5_0", "Q6_K"), ("Q5_0", "Q4_K"),
          ("Q5_1",), ("Q5_K",), ("Q4_K", "Q6_K"), ("Q5_0", "Q8_0"), ("IQ4_NL",), ("IQ4_XS",),
-         ("Q6_K", "Q8_0", "Q5_1")]
+         ("Q6_K", "Q8_0", "Q5_1"), ("Q5_K", "Q6_K"), ("Q4_K", "Q5_K")]
 FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
+K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
 BITS = FOUR_BIT | {"Q5_0", "Q6_K", "Q5_1", "Q5_K"}
 
 
 def _method_name(qtypes: tuple[str, ...]) -> str:
+    if set(qtypes) <= K_QUANTS:
+        return "gguf-bits"  # the file's super-block parameters
     return "gguf-q4" if set(qtypes) <= FOUR_BIT else "gguf-bits" if set(qtypes) <= BITS else "gguf-int8"
 ROWS = (1, 3, 32, 45, 200)  # one GEMV call; chunks of 32 (up to 128); the GEMM path
 
@@ -120,10 +123,7 @@ def test_parameters_take_the_fewest_bytes_that_are_exact():
     scale; (s, l0) pairs and groups of 16 only where a shard needs them."""
     forms = {  # tile bytes per k, parameter dtype, dims, groups (in = 512)
         ("Q5_0",): (10, torch.float16, 3, 16),
-        ("Q6_K",): (12, torch.float32, 3, 32),
         ("Q5_0", "Q6_K"): (12, torch.float32, 3, 32),
-        ("Q5_K",): (10, torch.float32, 4, 16),
-        ("Q4_K", "Q6_K"): (12, torch.float32, 4, 32),
         ("Q5_0", "Q8_0"): (16, torch.float16, 3, 16),
         ("IQ4_XS",): (16, torch.float32, 4, 16),
     }
@@ -132,8 +132,45 @@ def test_parameters_take_the_fewest_bytes_that_are_exact():
         scales = layer.scale_tiles
         assert layer.qweight_tiles.shape[-1] == nbytes, qtypes
         assert (scales.dtype, scales.dim(), scales.shape[1]) == (dtype, dims, groups), qtypes
-    layer, _ = _layer(("Q4_K",), bias=False)
+    layer, _ = _layer(("Q4_K", "Q4_0"), bias=False)
     assert layer.scales_zeros_tiles.dtype == torch.float32 and layer.qweight_tiles.shape[-1] == 8
+
+
+# K-quants alone: uint8 super-block parameters (N/16, in/256, B), the file's integers and
+# float16s: B = 32 + 16 G centered (Q6_K alone), 80 + 32 G affine (G = groups a super-block).
+SUPERBLOCK_FORMS = {  # tile bytes per k, B, bits a weight read (the file's)
+    ("Q4_K",): (8, 80 + 32 * 8, 4.5),
+    ("Q5_K",): (10, 80 + 32 * 8, 5.5),
+    ("Q6_K",): (12, 32 + 16 * 16, 6.5625),
+    ("Q4_K", "Q6_K"): (12, 80 + 32 * 16, None),
+    ("Q4_K", "Q5_K"): (10, 80 + 32 * 8, None),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtypes", list(SUPERBLOCK_FORMS), ids="+".join)
+def test_k_quants_read_about_the_files_bytes(qtypes: tuple[str, ...]):
+    """A decode step reads the tiles and these parameters: within 0.2 bits a weight of the
+    file's own size where the layer has one type (float32 (s, l0) pairs cost 2 bits more)."""
+    nbytes, sb_bytes, file_bits = SUPERBLOCK_FORMS[qtypes]
+    layer, _ = _layer(qtypes, bias=False)
+    tiles, params = layer.qweight_tiles, layer.scale_tiles
+    assert tiles.shape[-1] == nbytes
+    assert params.dtype == torch.uint8 and params.shape == (tiles.shape[0], IN // 256, sb_bytes)
+    if file_bits is not None:
+        bits = 8 * (tiles.numel() + params.numel()) / (OUT * IN)
+        assert file_bits <= bits <= file_bits + 0.2, bits
+
+
+@needs_kernel
+def test_kernel_refuses_malformed_superblock_parameters():
+    x = torch.randn(1, 256)
+    q = torch.zeros(1, 256, 8, dtype=torch.uint8)
+    for bad in (torch.zeros(1, 1, 100, dtype=torch.uint8), torch.zeros(1, 2, 336, dtype=torch.uint8)):
+        with pytest.raises(RuntimeError, match="super-block"):
+            gemv.int4_grouped(x, q, bad, None)
+        with pytest.raises(RuntimeError, match="super-block"):
+            gemv.dequant_tiles(q, bad)
 
 
 @needs_kernel

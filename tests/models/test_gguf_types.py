@@ -156,10 +156,11 @@ def test_a_quantized_file_is_served_from_its_blocks_by_default(tmp_path, caplog)
         assert set(methods.values()) <= {"onednn-packed", "unquantized"}
         return
     assert methods["model.layers.0.self_attn.qkv_proj"] == "gguf-int8"  # Q8_0 + Q4_K fused
-    assert methods["model.layers.0.mlp.gate_up_proj"] == "gguf-q4"
+    # K-quants alone: 4- / 6-bit tiles with the file's super-block parameters
+    assert methods["model.layers.0.mlp.gate_up_proj"] == "gguf-bits"
     assert methods["model.layers.0.mlp.down_proj"] == "gguf-bits"  # Q6_K in 6-bit tiles
     # The (untied) Q4_K head too, from its blocks, with no float copy left.
-    assert model.lm_head.quant_method.name == "gguf-q4" and not hasattr(model.lm_head, "weight")
+    assert model.lm_head.quant_method.name == "gguf-bits" and not hasattr(model.lm_head, "weight")
     lines = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
     assert len(lines) == 1 and "Q4_K x2" in lines[0] and "Q6_K" not in lines[0]
 
