@@ -15,6 +15,10 @@ exclude_modules need no special handling); target_modules is only cross-checked.
 fan_in_fan_out is accepted and ignored: it describes the *base* weight's storage (GPT-2's
 Conv1D), while lora_A / lora_B are always nn.Linear-shaped, and peft itself resets it to
 False for nn.Linear targets (peft/tuners/lora/layer.py), as every Llama/Qwen2 projection is.
+
+Fused projections (Phi-3's `qkv_proj` and `gate_up_proj`, which the model splits at load)
+are split here too: the fused delta scale * B @ A is, row block by row block, scale * B_q @ A,
+scale * B_k @ A, ..., so each part is a LoRA of the same rank sharing A, exactly.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from pagedserve.lora.request import LoRARequest
 TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PARENT_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# Fused checkpoint projections -> their parts, in the order of the fused weight's rows.
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _EMBEDDINGS = ("embed_tokens", "lm_head")
 _CONFIG = "adapter_config.json"
 _SAFETENSORS = "adapter_model.safetensors"
@@ -140,8 +146,13 @@ def load_peft_adapter(
     weights: dict[tuple[int, str], LoRAModuleWeights] = {}
     for key, ab in sorted(pairs.items()):
         layer, name = _locate(key, config["target_modules"], num_layers, module_dims, fail)
-        weights[(layer, name)] = _module_weights(key, ab, config, module_dims[name],
-                                                 max_lora_rank, fail)
+        parts = FUSED_TARGETS.get(name, (name,))
+        dims = [module_dims[part] for part in parts]
+        fused = _module_weights(key, ab, config, (dims[0][0], sum(out for _, out in dims)), max_lora_rank, fail)
+        for part, b in zip(parts, fused.lora_b.split([out for _, out in dims]), strict=True):
+            if (layer, part) in weights:
+                raise fail(f"{key}: layer {layer}'s {part} is adapted twice (fused and on its own)")
+            weights[(layer, part)] = LoRAModuleWeights(fused.lora_a, b.contiguous(), fused.scale)
     if not weights:
         raise fail("the weights file holds no lora_A / lora_B tensors")
     rank = max(w.rank for w in weights.values())
@@ -227,8 +238,9 @@ def _check_targets(targets: Any, fail: Fail) -> None:
         last = str(target).rsplit(".", 1)[-1]
         if last in _EMBEDDINGS:
             raise fail(f"embedding / lm_head LoRA is not supported (target_modules has {target!r})")
-        if last not in TARGETABLE:
-            raise fail(f"target module {target!r} is not supported (targetable: {', '.join(TARGETABLE)})")
+        if last not in TARGETABLE and last not in FUSED_TARGETS:
+            raise fail(f"target module {target!r} is not supported (targetable: {', '.join(TARGETABLE)}, "
+                       f"or fused {', '.join(FUSED_TARGETS)})")
 
 
 def _read_tensors(files: _AdapterFiles, fail: Fail) -> dict[str, torch.Tensor]:
@@ -285,10 +297,13 @@ def _locate(
     if name in _EMBEDDINGS:
         raise fail(f"embedding / lm_head LoRA is not supported ({key})")
     match = _MODULE_RE.match(key)
-    if match is None or name not in TARGETABLE or PARENT_MODULE[name] != match["parent"]:
-        raise fail(f"unsupported LoRA target {key!r} (targetable: {', '.join(TARGETABLE)})")
-    if name not in module_dims:
-        raise fail(f"{key}: the model has no {name} projection")
+    parts = FUSED_TARGETS.get(name, (name,))
+    if match is None or parts[0] not in TARGETABLE or PARENT_MODULE[parts[0]] != match["parent"]:
+        raise fail(f"unsupported LoRA target {key!r} (targetable: {', '.join(TARGETABLE)}, "
+                   f"or fused {', '.join(FUSED_TARGETS)})")
+    missing = [part for part in parts if part not in module_dims]
+    if missing:
+        raise fail(f"{key}: the model has no {missing[0]} projection")
     layer = int(match["layer"])
     if layer >= num_layers:
         raise fail(f"{key}: layer index {layer} out of range (the model has {num_layers} layers)")

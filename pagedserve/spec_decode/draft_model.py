@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagedserve.core.hybrid_kv_manager import HybridKVCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagedserve.request import Request
@@ -31,7 +32,12 @@ if TYPE_CHECKING:
 class DraftModelProposer:
     def __init__(self, runner: ModelRunner, num_blocks: int, block_size: int) -> None:
         self.runner = runner
-        self.kv = KVCacheManager(num_blocks, block_size)
+        # A draft with windowed layers (Gemma 2/3) keeps one table per layer group, as the
+        # target does: its runner splits the table it is given by group.
+        groups = runner.kv_groups
+        self.kv: KVCacheManager | HybridKVCacheManager = (
+            HybridKVCacheManager(num_blocks, block_size, groups.windows) if groups.hybrid
+            else KVCacheManager(num_blocks, block_size))
         runner.initialize_kv_cache(num_blocks)
         self.num_computed: dict[str, int] = {}
 
