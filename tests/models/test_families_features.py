@@ -3,6 +3,7 @@
 
 Prefix caching and chunked prefill are covered there, preemption in
 tests/engine/test_sliding_window.py; here:
+  * n / best_of (Gemma 3: samples fork windowed groups' blocks) vs transformers' logprobs;
   * beam search (Qwen3; Gemma 3 with window 8 over 8-token blocks, so beams fork blocks a
     windowed layer later gives back) vs transformers' beam search;
   * speculative decoding, n-gram lookup and a draft model (a noisy copy: rejections roll the
@@ -93,6 +94,32 @@ def test_beam_search_matches_transformers(root: Path, name: str) -> None:
                 return_dict_in_generate=True)
         assert [s.tokens[len(prompt):] for s in out.sequences] == [s[len(prompt):].tolist() for s in ref.sequences]
         assert [s.score for s in out.sequences] == pytest.approx(ref.sequences_scores.tolist(), abs=1e-4)
+    llm.llm_engine.assert_no_leaks()
+
+
+# ---- n / best_of ---------------------------------------------------------------------------
+
+
+def test_parallel_samples_logprobs_match_transformers(root: Path) -> None:
+    """n=2 of best_of=4 sampled continuations of one Gemma 3 prompt (the samples fork its
+    blocks, windowed groups included): each sampled token's logprob equals transformers'
+    log-softmax over the prompt plus that sample, and the two kept are the likeliest."""
+    path = checkpoint(root, "gemma3")
+    model = hf_eager(path)
+    (prompt,) = prompts(96, [19])
+    llm = LLM(str(path), **ENGINE)
+    params = SamplingParams(n=2, best_of=4, temperature=1.0, seed=3, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert len(out.outputs) == 2 and out.outputs[0].token_ids != out.outputs[1].token_ids
+    for sample in out.outputs:
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + list(sample.token_ids)])).logits[0]
+        want = torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)
+        want = want[torch.arange(len(sample.token_ids)), torch.tensor(sample.token_ids)]
+        got = [entry[t].logprob for entry, t in zip(sample.logprobs, sample.token_ids, strict=True)]
+        assert got == pytest.approx(want.tolist(), abs=1e-4)
+        assert sample.cumulative_logprob == pytest.approx(want.sum().item(), abs=1e-3)
+    assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
     llm.llm_engine.assert_no_leaks()
 
 
