@@ -54,12 +54,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 from pagedserve import LLM, LoRARequest, SamplingParams  # noqa: E402
-from pagedserve.bench.lora import write_random_adapter  # noqa: E402
+from pagedserve.bench.lora import merge_adapter, write_random_adapter  # noqa: E402
 from pagedserve.lora.peft_loader import TARGETABLE, load_peft_adapter, module_dims_for  # noqa: E402
 
 MIXED_RANKS = (8, 16, 32, 64)
@@ -236,32 +235,6 @@ def part_sweep(args: argparse.Namespace, reqs: list[dict], quantization: str | N
 # ---- merged weights and merge-and-switch ------------------------------------------------------
 
 
-def merge_adapter(llm: LLM, model_path: str, adapter_request: LoRARequest, sign: float = 1.0) -> None:
-    """W += sign * scale * B A for every adapted projection, in the engine's own weights.
-
-    The projections are found through the engine's LoRA wrappers (each knows its layer and
-    the column slice of every projection it fuses), so the mapping is the engine's own.
-    """
-    from transformers import AutoConfig
-
-    from pagedserve.lora.layers import LoRALinear
-
-    hf = AutoConfig.from_pretrained(model_path)
-    adapter = load_peft_adapter(adapter_request, module_dims_for(hf), hf.num_hidden_layers, 64)
-    for wrapper in llm.llm_engine.runner.model.modules():
-        if not isinstance(wrapper, LoRALinear):
-            continue
-        base = wrapper.base
-        delta = None
-        for module, start, end in wrapper.slices:
-            w = adapter.weights.get((wrapper.layer_idx, TARGETABLE[module]))
-            if w is not None:
-                delta = delta if delta is not None else torch.zeros(base.output_size, base.input_size)
-                delta[start:end] += sign * w.scale * (w.lora_b @ w.lora_a)
-        if delta is not None:
-            base.quant_method.add_to_weight(base, delta)
-
-
 def part_merged(args: argparse.Namespace, reqs: list[dict]) -> dict:
     """Rank 16 on all 7 projections, batched LoRA vs the same adapter merged."""
     adapter = make_adapters(args.model, 1, (16,), list(TARGETABLE), 1, first_id=9001)[0]
@@ -270,9 +243,9 @@ def part_merged(args: argparse.Namespace, reqs: list[dict]) -> dict:
     lora_runs, merged_runs = [], []
     for _ in range(args.repeats):
         lora_runs.append(run_online(llm, reqs, [adapter] * len(reqs), [0.0] * len(reqs)))
-        merge_adapter(llm, args.model, adapter)
+        merge_adapter(llm.llm_engine, adapter)
         merged_runs.append(run_online(llm, reqs, [None] * len(reqs), [0.0] * len(reqs)))
-        merge_adapter(llm, args.model, adapter, -1.0)
+        merge_adapter(llm.llm_engine, adapter, -1.0)
     lora = statistics.median(r["output_tok_s"] for r in lora_runs)
     merged = statistics.median(r["output_tok_s"] for r in merged_runs)
     out = {"lora_tok_s": lora, "merged_tok_s": merged, "slowdown": 1 - lora / merged,
@@ -340,7 +313,7 @@ def part_steps(args: argparse.Namespace, reqs: list[dict]) -> dict:
     adapter = make_adapters(args.model, 1, (16,), list(TARGETABLE), 1, first_id=9001)[0]
     llm = make_llm(args, 4, 16)
     preload(llm, [adapter], 1)
-    merge_adapter(llm, args.model, adapter)
+    merge_adapter(llm.llm_engine, adapter)
     result, times = paired_run(llm, {"merged": lambda sched: None},  # the merged model: LoRA path off
                                lambda: run_online(llm, reqs, [adapter] * len(reqs), [0.0] * len(reqs)))
     lora_wall, merged_wall = one_sided_wall(result, times, "own"), one_sided_wall(result, times, "merged")
@@ -484,9 +457,9 @@ def part_switch(args: argparse.Namespace, reqs: list[dict]) -> list[dict]:
             mine = [r for i, r in enumerate(reqs) if i % k == j]
             if not mine:
                 continue
-            merge_adapter(llm, args.model, adapter)
+            merge_adapter(llm.llm_engine, adapter)
             tokens += run_online(llm, mine, [None] * len(mine), [0.0] * len(mine))["output_tokens"]
-            merge_adapter(llm, args.model, adapter, -1.0)
+            merge_adapter(llm.llm_engine, adapter, -1.0)
         switch_s = time.monotonic() - start
         row = {"num_adapters": k, "batched_tok_s": batched["output_tok_s"], "switch_tok_s": tokens / switch_s,
                "speedup": batched["output_tok_s"] / (tokens / switch_s),

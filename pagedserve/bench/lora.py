@@ -37,8 +37,8 @@ from pagedserve.bench.common import (
     write_outputs,
 )
 from pagedserve.bench.plots import plot_lora
-from pagedserve.bench.sim import run_simulated, summarize
-from pagedserve.bench.workloads import arrival_times
+from pagedserve.bench.sim import SimRun, run_simulated, summarize
+from pagedserve.bench.workloads import WorkloadRequest, arrival_times
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -181,3 +181,110 @@ def markdown(data: dict[str, Any]) -> str:
              f"adapter i % K. Capacity: all queued, fitted clock; latency: Poisson at "
              f"{s['rate_fraction']} x the base capacity.")
     return f"{title}\n\n{md_table(headers, rows)}"
+
+
+# ---- the study's switching-overhead and baseline cells (issue #39.4) ------------------------
+
+
+def merge_adapter(engine: Any, adapter_request: Any, sign: float = 1.0) -> None:
+    """W += sign * scale * B A for every adapted projection, in `engine`'s own weights.
+
+    `engine` is an `LLMEngine` with LoRA enabled: the projections are found through its LoRA
+    wrappers (each knows its layer and the column slice of every projection it fuses), so
+    the mapping is the engine's own. Raises NotImplementedError on quantized weights (int8,
+    int4, GGUF blocks cannot hold W + delta exactly), before any weight changes.
+    """
+    import torch
+
+    from pagedserve.lora.layers import LoRALinear
+    from pagedserve.lora.peft_loader import TARGETABLE, load_peft_adapter
+    from pagedserve.quantization.base import LinearMethod
+
+    manager = engine.lora_manager
+    adapter = load_peft_adapter(adapter_request, manager.module_dims, manager.num_layers,
+                                manager.config.max_lora_rank)
+    wrappers: list[Any] = [m for m in engine.runner.model.modules() if isinstance(m, LoRALinear)]
+    for wrapper in wrappers:  # refuse before touching anything: no half-merged model
+        method = wrapper.base.quant_method
+        if type(method).add_to_weight is LinearMethod.add_to_weight:
+            raise NotImplementedError(f"{method.name} weights cannot be changed in place (merging needs "
+                                      "float weights)")
+    for wrapper in wrappers:
+        base = wrapper.base
+        delta = None
+        for module, start, end in wrapper.slices:
+            w = adapter.weights.get((wrapper.layer_idx, TARGETABLE[module]))
+            if w is not None:
+                delta = delta if delta is not None else torch.zeros(base.output_size, base.input_size)
+                delta[start:end] += sign * w.scale * (w.lora_b @ w.lora_a)
+        if delta is not None:
+            base.quant_method.add_to_weight(base, delta)
+
+
+def one_adapter_at_a_time(engine: Any, requests: list[Any], loras: list[Any], id_prefix: str = "one-") -> Any:
+    """Serves `requests` (all queued at time 0) one adapter's group after another, so no
+    step ever holds two adapters' requests: the batching a server without heterogeneous
+    LoRA batches can do. Returns one `SimRun` of the whole: group g starts when group g-1
+    ends, so a request's TTFT includes the groups served before its own."""
+    groups: dict[int, list[int]] = {}
+    for i, lora in enumerate(loras):
+        groups.setdefault(lora.lora_int_id, []).append(i)
+    total = SimRun([])
+    for g, indices in enumerate(groups.values()):
+        run = run_simulated(engine, [requests[i] for i in indices], [0.0] * len(indices),
+                            id_prefix=f"{id_prefix}{g}-", lora_requests=[loras[i] for i in indices])
+        for record in run.records:
+            record.first_token_s = None if record.first_token_s is None else record.first_token_s + total.makespan_s
+            record.finish_s = None if record.finish_s is None else record.finish_s + total.makespan_s
+        total.records += run.records
+        total.makespan_s += run.makespan_s
+        total.busy_s += run.busy_s
+        total.wall_s += run.wall_s
+        total.num_steps += run.num_steps
+        total.seq_seconds += run.seq_seconds
+        total.num_preemptions += run.num_preemptions
+        total.peak_blocks_used = max(total.peak_blocks_used, run.peak_blocks_used)
+    total.extra["groups"] = len(groups)
+    return total
+
+
+def time_adapter_loads(engine: Any, adapters: list[Any]) -> dict[str, Any]:
+    """Per adapter: disk -> host (read and validate the PEFT folder: `load_peft_adapter`) and
+    host -> KV pool (the manager's `prepare`: allocate a run of KV blocks and write the
+    weights into it), with no adapter resident before (nothing to evict in the timing).
+    Each adapter is unregistered after (its blocks go back). Medians in ms."""
+    import statistics
+    import time
+
+    from pagedserve.core.protocols import Residency
+    from pagedserve.lora.peft_loader import load_peft_adapter
+
+    manager = engine.lora_manager
+    manager.free_all()
+    disk, pool, mib, blocks = [], [], 0.0, 0
+    for request in adapters:
+        start = time.perf_counter()
+        adapter = load_peft_adapter(request, manager.module_dims, manager.num_layers, manager.config.max_lora_rank)
+        disk.append(time.perf_counter() - start)
+        manager.register(request, adapter=adapter)
+        start = time.perf_counter()
+        state = manager.prepare(request.lora_int_id)
+        pool.append(time.perf_counter() - start)
+        if state is not Residency.READY:
+            raise RuntimeError(f"adapter {request.lora_name} did not become resident ({state})")
+        blocks = manager.resident(request.lora_int_id).layout.num_blocks
+        mib = sum(w.lora_a.numel() + w.lora_b.numel() for w in adapter.weights.values()) * 4 / 2**20
+        manager.unregister(request.lora_int_id)
+    return {"adapters": len(adapters), "disk_to_host_ms": 1000 * statistics.median(disk),
+            "host_to_pool_ms": 1000 * statistics.median(pool), "disk_to_host_all_ms": [1000 * t for t in disk],
+            "host_to_pool_all_ms": [1000 * t for t in pool], "adapter_mib_fp32": mib, "kv_blocks": blocks}
+
+
+def warm_up_lora(engine: Any, model_path: str, targets: list[str]) -> None:
+    """Two short requests, one on a throwaway adapter, so the LoRA path's first-call costs
+    (its kernel loads on first use) stay out of the first LoRA cell's timing; the adapter is
+    unregistered after (its KV blocks go back)."""
+    adapter = build_adapters(model_path, 1, 8, targets, 99_999, engine.runner.hf_config, first_id=999_999)[0]
+    run_simulated(engine, [WorkloadRequest([11, 12, 13, 14], 4)] * 2, [0.0, 0.0], id_prefix="warmup-lora-",
+                  lora_requests=[None, adapter])
+    engine.lora_manager.unregister(adapter.lora_int_id)

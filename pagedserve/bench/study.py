@@ -10,7 +10,11 @@ Parts (each a list of cells per model, `cells.py` saves each as it finishes):
     quant     the same requests per weight format: the file's own, int8, int4, bf16, fp32
     memory    a ShareGPT-like trace in a bounded KV pool: bytes per token and the share of
               the pool holding live token states (the vLLM paper's waste breakdown)
-    lora      K random adapters (PEFT layout) of rank r over the same requests, and the base
+    lora      K random adapters (PEFT layout) of rank r over the same requests, and the base;
+              the same on each base quantization (--lora-quant); switching overhead: an
+              adapter's disk -> host and host -> KV-pool load, and requests each on its own
+              adapter vs all on one; against the adapter merged into the base weights, and
+              against one-adapter-at-a-time batching (a step holds one adapter's requests)
     peer      with --peer-server-cmd: pagedserve's server and the peer (llama.cpp) on the
               latency cells' requests and rates over HTTP (bench/peer.py); else a cell saying
               the peer was not available
@@ -41,7 +45,13 @@ from pagedserve.bench.common import (
     torch_threads,
     warm_up,
 )
-from pagedserve.bench.lora import build_adapters
+from pagedserve.bench.lora import (
+    build_adapters,
+    merge_adapter,
+    one_adapter_at_a_time,
+    time_adapter_loads,
+    warm_up_lora,
+)
 from pagedserve.bench.online import MIN_FIT_STEPS
 from pagedserve.bench.peer import PAGEDSERVE_SERVER_CMD, Server, serve_trace
 from pagedserve.bench.sim import run_simulated, summarize
@@ -57,6 +67,7 @@ from pagedserve.bench.workloads import (
 PARTS = ("info", "latency", "batch", "context", "quant", "memory", "lora", "peer")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MIXED_RANKS = [8, 16, 64]
+LOAD_ADAPTERS = 4  # adapters timed per load cell (medians)
 PEER_MISSING = ("llama.cpp peer not available: no --peer-server-cmd given (issue #39.3; build llama.cpp's "
                 "llama-server in a scratch folder, it is never a project dependency)")
 SERVERS = ("pagedserve", "llama.cpp")
@@ -83,6 +94,8 @@ class StudySettings:
     memory_kv_tokens: int = 8192  # small enough that the trace fills it: memory is the bottleneck
     lora_counts: tuple[int, ...] = (1, 4, 16, 64, 256)
     lora_ranks: tuple[str, ...] = ("8", "16", "64", "mixed")
+    # The LoRA cells' base weights: the file's own (a non-GGUF checkpoint: its dtype), int8, bf16.
+    lora_quant: tuple[str, ...] = ("native", "int8", "bfloat16")
     max_loras: int = 16  # adapters resident at once; more are evicted and reloaded
     repeats: int = 2  # offline cells: fastest of this many runs (other load only adds time)
     seed: int = 0
@@ -98,14 +111,14 @@ class StudySettings:
 
 QUICK = StudySettings(num_requests=24, rate_fractions=(0.3, 0.6, 0.9), batch_sizes=(1, 4, 16),
                       context_lens=(256, 1024), context_output_len=8, quant_levels=("native", "int8", "bfloat16"),
-                      quant_requests=4, lora_counts=(1, 4), lora_ranks=("8",),
+                      quant_requests=4, lora_counts=(1, 4), lora_ranks=("8",), lora_quant=("native", "int8"),
                       # ShareGPT-like requests are ~500 tokens: 24 of them take minutes on a 1.5B model
                       memory_workload="alpaca", memory_kv_tokens=1024,
                       repeats=1)
 
 # The list-valued settings a flag of the same name overrides -> their element type.
 _LIST_FLAGS = {"rate_fractions": float, "batch_sizes": int, "context_lens": int, "quant_levels": str,
-               "lora_counts": int, "lora_ranks": str}
+               "lora_counts": int, "lora_ranks": str, "lora_quant": str}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -198,9 +211,7 @@ def plan(models: list[str], s: StudySettings) -> list[Cell]:
                       for q in s.quant_levels],
             "memory": [Cell(m, "memory", "paged", cost=s.num_requests * (500.0 if s.memory_workload == "sharegpt"
                                                                       else 80.0))],
-            "lora": [Cell(m, "lora", "base", {"count": 0, "rank": "-"}, s.num_requests * 100.0)]
-            + [Cell(m, "lora", f"n={k},r={r}", {"count": k, "rank": r}, s.num_requests * 100.0 + k)
-               for r in s.lora_ranks for k in s.lora_counts],
+            "lora": lora_cells(m, s),
             "peer": [Cell(m, "peer", f"{server} rate={f:g}", {"server": server, "fraction": f}, lat)
                      for server in SERVERS for f in s.rate_fractions] if s.peer_server_cmd
             else [Cell(m, "peer", "llama.cpp", {"server": "llama.cpp"}, cost=0)],
@@ -208,6 +219,38 @@ def plan(models: list[str], s: StudySettings) -> list[Cell]:
         for part in s.parts:
             cells += by_part[part]
     return cells
+
+
+def lora_cells(model: str, s: StudySettings) -> list[Cell]:
+    """The lora part's cells, grouped so that consecutive cells share an engine. params
+    "kind": sweep (count x rank, and count at the first rank per other --lora-quant level),
+    load (per rank), per-request, serial (one adapter at a time), merged (per quant level)."""
+    run = s.num_requests * 100.0
+    first = s.lora_ranks[0] if s.lora_ranks else "8"
+    cells: list[Cell] = []
+    for q in s.lora_quant:
+        tag = "" if q == "native" else f" q={q}"
+        sweep = {"kind": "sweep", "quant": q}
+        cells.append(Cell(model, "lora", "base" + tag, {**sweep, "count": 0, "rank": "-"}, run))
+        ranks = s.lora_ranks if q == "native" else (first,)
+        cells += [Cell(model, "lora", f"n={k},r={r}{tag}", {**sweep, "count": k, "rank": r}, run + k)
+                  for r in ranks for k in s.lora_counts]
+        if q == "native":
+            cells += [Cell(model, "lora", f"load r={r}", {"kind": "load", "rank": r}, 50.0 * LOAD_ADAPTERS)
+                      for r in _load_ranks(s)]
+            per_request = min(s.num_requests, s.max_loras) * 100.0
+            cells += [Cell(model, "lora", f"per-request {on}", {"kind": "per-request", "adapters": on}, per_request)
+                      for on in ("one", "distinct")]
+            cells += [Cell(model, "lora", f"one-at-a-time n={k},r={first}", {"kind": "serial", "count": k,
+                                                                              "rank": first}, run + k)
+                      for k in s.lora_counts if k > 1]
+        # Last on its engine: merging changes the weights, and the engine is dropped after.
+        cells.append(Cell(model, "lora", "merged" + tag, {"kind": "merged", "quant": q, "rank": first}, run))
+    return cells
+
+
+def _load_ranks(s: StudySettings) -> list[int]:
+    return sorted({r for name in s.lora_ranks for r in (MIXED_RANKS if name == "mixed" else [int(name)])})
 
 
 class StudyRunner:
@@ -227,7 +270,13 @@ class StudyRunner:
             return self._info(cell.model)
         measures = {"latency": self._latency, "batch": self._batch, "context": self._context,
                     "quant": self._quant, "memory": self._memory, "lora": self._lora, "peer": self._peer}
-        return measures[cell.part](cell, self._saved_info(cell.model))
+        try:
+            return measures[cell.part](cell, self._saved_info(cell.model))
+        except Exception:
+            # A cell that raised may leave requests or adapters in the engine: the next cell
+            # gets a fresh one rather than failing on this one's leftovers.
+            self.close()
+            raise
 
     def close(self) -> None:
         """Drops the engine and stops the server, whichever is held."""
@@ -249,6 +298,8 @@ class StudyRunner:
             self.close()  # the old engine's memory goes before the new one loads
             engine = make_engine(spec)
             warm_up(engine)
+            if spec.max_loras:
+                warm_up_lora(engine, spec.model, LORA_TARGETS)
             self._engine, self._spec = engine, spec
         return self._engine
 
@@ -296,7 +347,8 @@ class StudyRunner:
                 "max_position_embeddings": int(getattr(hf, "max_position_embeddings", 0) or 2048),
                 "sliding_window": getattr(hf, "sliding_window", None),
                 "num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim,
-                "kv_bytes_per_token": kv.bytes_per_token}
+                "kv_bytes_per_token": kv.bytes_per_token,
+                "checkpoint_dtype": _checkpoint_dtype(hf)}
 
     def _run(self, spec: EngineSpec, requests: list[WorkloadRequest], arrivals: list[float] | None = None,
              repeats: int = 1, **kwargs: Any) -> dict[str, Any]:
@@ -373,25 +425,117 @@ class StudyRunner:
         return {"kv_bytes_per_token": info["kv_bytes_per_token"], "kv_tokens": s.memory_kv_tokens,
                 "workload": s.memory_workload, "sliding_window": info.get("sliding_window"), **result}
 
+    def _lora_spec(self, info: dict[str, Any], quant: str, lora: bool = True) -> EngineSpec:
+        """The LoRA cells' engine on base weights `quant` (native: the file's own blocks for a
+        GGUF file, else the checkpoint's dtype, bf16 or float32)."""
+        gguf = str(info["path"]).endswith(".gguf")
+        native_dtype = "bfloat16" if info.get("checkpoint_dtype") == "bfloat16" and not gguf else "float32"
+        dtype, quantization = {"native": (native_dtype, "gguf" if gguf else None), "int8": ("float32", "int8"),
+                               "int4": ("float32", "int4"), "bfloat16": ("bfloat16", None),
+                               "float32": ("float32", None)}[quant]
+        changes: dict[str, Any] = {"max_loras": self.s.max_loras, "max_lora_rank": max(MIXED_RANKS)} if lora else {}
+        return self._engine_spec(info, dtype=dtype, quantization=quantization, **changes)
+
+    def _adapters(self, info: dict[str, Any], spec: EngineSpec, k: int, rank: str, first_id: int | None = None,
+                  seed_offset: int = 0) -> list[Any]:
+        ranks = MIXED_RANKS if rank == "mixed" else [int(rank)]
+        config = self.engine(spec).runner.hf_config
+        # One engine serves every (count, rank) cell: each rank population gets its own ids.
+        first_id = first_id if first_id is not None else 1 + 100_000 * self.s.lora_ranks.index(rank)
+        return build_adapters(info["path"], k, ranks, LORA_TARGETS, self.s.seed + seed_offset, config, first_id)
+
     def _lora(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
-        s, k, rank = self.s, cell.params["count"], cell.params["rank"]
-        spec = self._engine_spec(info, max_loras=s.max_loras, max_lora_rank=max(MIXED_RANKS)) if k \
-            else self._engine_spec(info)
-        requests = fixed(s.num_requests, s.prompt_len, s.output_len, info["vocab_size"], s.seed)
-        loras = None
-        if k:
-            ranks = MIXED_RANKS if rank == "mixed" else [int(rank)]
-            config = self.engine(spec).runner.hf_config
-            # One engine serves every (count, rank) cell: each rank population gets its own ids.
-            first_id = 1 + 100_000 * s.lora_ranks.index(rank)
-            adapters = build_adapters(info["path"], k, ranks, LORA_TARGETS, s.seed, config, first_id)
-            loras = [adapters[i % k] for i in range(len(requests))]
+        kind = cell.params.get("kind", "sweep")
+        measure = {"sweep": self._lora_sweep, "load": self._lora_load, "per-request": self._lora_per_request,
+                   "serial": self._lora_serial, "merged": self._lora_merged}[kind]
+        return measure(cell, info)
+
+    def _lora_run(self, spec: EngineSpec, requests: list[WorkloadRequest], loras: list[Any] | None,
+                  serial: bool = False) -> dict[str, Any]:
+        """One run of `requests` (all queued), with the adapter loads it caused."""
         engine = self.engine(spec)
         manager = getattr(engine, "lora_manager", None)
         before = (getattr(manager, "num_disk_loads", 0), getattr(manager, "num_device_loads", 0))
-        result = self._run(spec, requests, lora_requests=loras)
-        return {"count": k, "rank": rank, "disk_loads": getattr(manager, "num_disk_loads", 0) - before[0],
+        if serial:
+            result = summarize(one_adapter_at_a_time(engine, requests, loras or []))
+            engine.assert_no_leaks()
+        else:
+            result = self._run(spec, requests, lora_requests=loras)
+        return {"disk_loads": getattr(manager, "num_disk_loads", 0) - before[0],
                 "device_loads": getattr(manager, "num_device_loads", 0) - before[1], **result}
+
+    def _lora_sweep(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
+        s, k, rank, quant = self.s, cell.params["count"], cell.params["rank"], cell.params.get("quant", "native")
+        spec = self._lora_spec(info, quant, lora=bool(k))
+        requests = fixed(s.num_requests, s.prompt_len, s.output_len, info["vocab_size"], s.seed)
+        loras = None
+        if k:
+            adapters = self._adapters(info, spec, k, rank)
+            loras = [adapters[i % k] for i in range(len(requests))]
+        return {"count": k, "rank": rank, "quant": quant, "dtype": spec.dtype, "quantization": spec.quantization,
+                **self._lora_run(spec, requests, loras)}
+
+    def _lora_load(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
+        rank = cell.params["rank"]
+        spec = self._lora_spec(info, "native")
+        # Fresh files and ids (not the sweep's): their first read, though the OS may cache them.
+        adapters = self._adapters(info, spec, LOAD_ADAPTERS, str(rank), first_id=800_000 + 1000 * rank,
+                                  seed_offset=7919)
+        engine = self.engine(spec)
+        result = time_adapter_loads(engine, adapters)
+        engine.assert_no_leaks()
+        return {"rank": rank, **result}
+
+    def _lora_per_request(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
+        """min(requests, max_loras) requests all queued, all resident before the run: each on
+        its own adapter (a step's batch has one segment per request) vs all on one."""
+        s, on = self.s, cell.params["adapters"]
+        spec = self._lora_spec(info, "native")
+        n = min(s.num_requests, s.max_loras)
+        first = s.lora_ranks[0] if s.lora_ranks else "8"
+        adapters = self._adapters(info, spec, n, first, first_id=900_000)
+        loras = [adapters[i] if on == "distinct" else adapters[0] for i in range(n)]
+        manager = self.engine(spec).lora_manager
+        used = list(dict.fromkeys(loras))
+        for adapter in used:  # resident first: only the batch's cost is measured
+            manager.register(adapter, load_now=True)
+            manager.prepare(adapter.lora_int_id)
+        requests = fixed(n, s.prompt_len, s.output_len, info["vocab_size"], s.seed)
+        result = {"adapters": on, "requests": n, "rank": first, **self._lora_run(spec, requests, loras)}
+        for adapter in used:  # gone again: a host cache full of resident adapters is not the next cell's start
+            manager.unregister(adapter.lora_int_id)
+        return result
+
+    def _lora_serial(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
+        s, k, rank = self.s, cell.params["count"], cell.params["rank"]
+        spec = self._lora_spec(info, "native")
+        requests = fixed(s.num_requests, s.prompt_len, s.output_len, info["vocab_size"], s.seed)
+        adapters = self._adapters(info, spec, k, rank)
+        loras = [adapters[i % k] for i in range(len(requests))]
+        return {"count": k, "rank": rank, **self._lora_run(spec, requests, loras, serial=True)}
+
+    def _lora_merged(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
+        """The first rank's first adapter (the n=1 cell's) merged into the base weights, its
+        requests served as the plain model; the engine is dropped after (its weights changed)."""
+        s, quant, rank = self.s, cell.params["quant"], cell.params["rank"]
+        spec = self._lora_spec(info, quant)
+        adapter = self._adapters(info, spec, 1, rank)[0]
+        try:
+            merge_adapter(self.engine(spec), adapter)
+        except NotImplementedError as exc:
+            return {"skipped": f"no merged-weights serving on this base: {exc}"}
+        try:
+            requests = fixed(s.num_requests, s.prompt_len, s.output_len, info["vocab_size"], s.seed)
+            return {"quant": quant, "rank": rank, **self._lora_run(spec, requests, None)}
+        finally:
+            self.close()
+
+
+def _checkpoint_dtype(hf: Any) -> str:
+    """The checkpoint's dtype name ("bfloat16", "float32"...; float32 when unstated)."""
+    # `dtype` since transformers 4.56; reading the older `torch_dtype` there logs a deprecation.
+    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    return str(dtype or "float32").removeprefix("torch.")
 
 
 def _step_model(saved: dict[str, Any]) -> StepCostModel:

@@ -41,9 +41,12 @@ SECTIONS = {  # part -> (title, plot file or "", how to read it)
                "token, and how the pool's "
                "memory in use splits into live token states, slots reserved for the next tokens, and "
                "fragmentation (summed over steps; the vLLM paper's waste breakdown)."),
-    "lora": ("Multi-LoRA: adapter count and rank", "lora.png",
-             "The same requests spread over K random adapters (PEFT layout, q/k/v/o) of rank r; request i "
-             "uses adapter i % K, at most 16 resident at once (more are evicted and reloaded)."),
+    "lora": ("Multi-LoRA: adapter count, rank, base quantization and switching overhead", "lora.png",
+             "The same requests (all queued) spread over K random adapters (PEFT layout, q/k/v/o) of rank r; "
+             "request i uses adapter i % K, at most 16 resident at once (more are evicted and reloaded). "
+             "The figure: the model's own weights; `lora_quant.png`: the same at the first rank on each "
+             "base quantization; `lora_switch.png`: switching overhead and the two alternatives to "
+             "heterogeneous batching (tables below)."),
     "peer": ("Beside a peer: pagedserve and llama.cpp over HTTP", "peer.png",
              "`pagedserve serve` and the peer server (--peer-server-cmd: llama.cpp's llama-server on the same "
              "file) get the latency cells' requests at the same Poisson rates through the same streaming HTTP "
@@ -89,6 +92,9 @@ def write_study_report(out_dir: Path, models: list[str], records: Records, parts
         if figure and any(_ok(r) for _, r in rows):
             PLOTS[part](rows, out_dir / figure)
             lines += [f"![{part}]({figure})", ""]
+        for name, plot in EXTRA_PLOTS.get(part, []):
+            if plot(rows, out_dir / name) is not None:
+                lines += [f"![{name.removesuffix('.png')}]({name})", ""]
         lines += [TABLES[part](rows), ""]
     (out_dir / "study.json").write_text(json.dumps(json_clean(
         {"models": models, "run": run, "command": command, "cells": list(records.values())}), indent=1) + "\n")
@@ -109,12 +115,18 @@ def _not_run(result: dict[str, Any]) -> str:
 
 
 def _table(headers: list[str], rows: list[tuple[Cell, dict]], first: Callable[[Cell, dict], list],
-           values: Callable[[dict], list]) -> str:
+           values: Callable[[dict], list] | None = None,
+           cell_values: Callable[[Cell, dict], list] | None = None) -> str:
+    """A row per cell: `first(cell, result)`, then `values(result)` (or `cell_values(cell,
+    result)`), or the reason the cell has no numbers."""
     out = []
     for cell, r in rows:
         lead = first(cell, r)
         width = len(headers) - len(lead)
-        out.append([*lead, *values(r)] if _ok(r) else [*lead, _not_run(r), *[""] * (width - 1)])
+        if not _ok(r):
+            out.append([*lead, _not_run(r), *[""] * (width - 1)])
+        else:
+            out.append([*lead, *(cell_values(cell, r) if cell_values else values(r) if values else [])])
     return md_table(headers, out)
 
 
@@ -176,13 +188,85 @@ TABLES: dict[str, Callable[[list[tuple[Cell, dict]]], str]] = {
                                  *(f"{100 * r['memory']['shares'][k]:.1f}"
                                    for k in ("token_states", "reserved", "internal", "external")),
                                  r["mean_batched_requests"], r["sliding_window"] or "none"]),
-    "lora": _simple(["model", "adapters", "rank", "output tok/s", "TTFT p50 (ms)", "TPOT p50 (ms)",
-                     "adapter loads (disk / device)"],
-                    lambda c, r: [c.model, c.params["count"] or "base (LoRA off)", c.params["rank"]],
-                    lambda r: [r["output_throughput"], r["ttft_ms"]["median"], r["tpot_ms"]["median"],
-                               f"{r['disk_loads']} / {r['device_loads']}"]),
+    "lora": lambda rows: _lora_tables(rows),
     "peer": _peer_table,
 }
+
+
+def _kind(cell: Cell) -> str:
+    return str(cell.params.get("kind", "sweep"))
+
+
+def _sweep_rows(rows: list[tuple[Cell, dict]], native: bool) -> list[tuple[Cell, dict]]:
+    return [(c, r) for c, r in rows if _kind(c) == "sweep" and (c.params.get("quant", "native") == "native") == native]
+
+
+def _quant_label(c: Cell, r: dict) -> str:
+    q = str(c.params.get("quant", "native"))
+    return f"native ({r['dtype'] if r.get('quantization') is None else r['quantization']})" \
+        if q == "native" and "dtype" in r else q
+
+
+def _lora_tables(rows: list[tuple[Cell, dict]]) -> str:
+    """The LoRA section's tables: count x rank, base quantization, the two switching costs,
+    and the two alternatives (merged weights, one adapter at a time), each beside the
+    heterogeneous-batch cell it is compared with (same model, adapter count, base)."""
+    hetero = {(c.model, c.params.get("quant", "native"), c.params["count"], str(c.params["rank"])): r
+              for c, r in rows if _kind(c) == "sweep" and _ok(r)}
+
+    def ratio(value: float, other: dict | None) -> str:
+        return f"{value / other['output_throughput']:.2f}x" if other and other["output_throughput"] else "-"
+
+    lead = ["model", "adapters", "rank"]
+    perf = ["output tok/s", "TTFT p50 (ms)", "TPOT p50 (ms)"]
+    per_request = [(c, r) for c, r in rows if _kind(c) == "per-request"]
+    one = {c.model: r for c, r in per_request if c.params["adapters"] == "one" and _ok(r)}
+    return "\n\n".join([
+        _table([*lead, *perf, "adapter loads (disk / device)"], _sweep_rows(rows, True),
+               lambda c, r: [c.model, c.params["count"] or "base (LoRA off)", c.params["rank"]],
+               lambda r: [*_perf(r), f"{r['disk_loads']} / {r['device_loads']}"]),
+        "### Base quantization\n\nThe first rank's cells on each base: the file's own weights (a non-GGUF "
+        "checkpoint: its dtype), int8, bf16; `vs LoRA off`: against the same base with LoRA off.\n\n"
+        + _table(["model", "base weights", "adapters", "rank", *perf, "vs LoRA off"],
+                 [(c, r) for c, r in rows if _kind(c) == "sweep"
+                  and (c.params.get("quant", "native") != "native" or str(c.params["rank"]) in ("-", _first(rows)))],
+                 lambda c, r: [c.model, _quant_label(c, r), c.params["count"] or "base (LoRA off)", c.params["rank"]],
+                 cell_values=lambda c, r: [*_perf(r), ratio(r["output_throughput"], hetero.get(
+                     (c.model, c.params.get("quant", "native"), 0, "-")))]),
+        "### Switching overhead: loading an adapter\n\nPer rank, medians over fresh adapters: disk -> host "
+        "(read and validate the PEFT folder; the file may sit in the OS page cache, as on a server that just "
+        "wrote or read it) and host -> KV pool (allocate a run of KV blocks, write the weights in: S-LoRA's "
+        "unified paging, pagedserve/lora/manager.py).\n\n"
+        + _table(["model", "rank", "adapter MiB (fp32)", "KV blocks", "disk -> host (ms)", "host -> KV pool (ms)"],
+                 [(c, r) for c, r in rows if _kind(c) == "load"], lambda c, r: [c.model, c.params["rank"]],
+                 lambda r: [r["adapter_mib_fp32"], r["kv_blocks"], r["disk_to_host_ms"], r["host_to_pool_ms"]]),
+        "### Switching overhead: per request\n\nThe same requests, all queued and their adapters resident "
+        "before the run: each request on a different adapter (a segment per request in every step) vs all "
+        "on one adapter.\n\n"
+        + _table(["model", "requests on", "requests", *perf, "vs one adapter"], per_request,
+                 lambda c, r: [c.model, "a different adapter each" if c.params["adapters"] == "distinct"
+                               else "one adapter"],
+                 cell_values=lambda c, r: [r["requests"], *_perf(r), ratio(r["output_throughput"], one.get(c.model))]),
+        "### Against merged weights and one-adapter-at-a-time batching\n\nMerged: the n=1 cell's adapter "
+        "merged into the base weights, served as a plain model (quantized bases cannot be merged in place: "
+        "the row says so). One at a time: the K-adapter requests grouped so that a step only ever holds one "
+        "adapter's requests, group after group (TTFT includes the groups before). `vs batched LoRA`: "
+        "against the heterogeneous batch of the same adapters on the same base.\n\n"
+        + _table(["model", "serving", "base weights", "adapters", *perf, "vs batched LoRA"],
+                 [(c, r) for c, r in rows if _kind(c) in ("merged", "serial")],
+                 lambda c, r: [c.model, "merged weights" if _kind(c) == "merged" else "one adapter at a time",
+                               c.params.get("quant", "native"), c.params.get("count", 1)],
+                 cell_values=lambda c, r: [*_perf(r), ratio(r["output_throughput"], hetero.get(
+                     (c.model, c.params.get("quant", "native"), c.params.get("count", 1), str(c.params["rank"]))))]),
+    ])
+
+
+def _first(rows: list[tuple[Cell, dict]]) -> str:
+    return next((str(c.params["rank"]) for c, _ in rows if c.params.get("count")), "8")
+
+
+def _perf(r: dict) -> list:
+    return [r["output_throughput"], r["ttft_ms"]["median"], r["tpot_ms"]["median"]]
 
 
 # ---- plots: one line per model -------------------------------------------------------------
@@ -249,11 +333,29 @@ def _plot_bars(rows: list[tuple[Cell, dict]], path: Path, panels: list[tuple[str
 
 
 def _plot_lora(rows: list[tuple[Cell, dict]], path: Path) -> Path:
-    """Against adapter count: a colour per model, a line style per rank, the base model dotted."""
+    """Against adapter count: a colour per model, a line style per rank, the base model dotted
+    (the model's own weights: the other bases are lora_quant.png)."""
+    rows = _sweep_rows(rows, native=True)
+    return _plot_counts(rows, path, lambda c: f"rank {c.params['rank']}")
+
+
+def _plot_lora_quant(rows: list[tuple[Cell, dict]], path: Path) -> Path | None:
+    """Against adapter count at the first rank: a line style per base quantization."""
+    first = _first(rows)
+    rows = [(c, r) for c, r in rows if _kind(c) == "sweep"
+            and (c.params.get("quant", "native") != "native" or str(c.params["rank"]) in ("-", first))]
+    if len({c.params.get("quant", "native") for c, r in rows if _ok(r)}) < 2:
+        return None  # one base only: lora.png has it all
+    return _plot_counts(rows, path, lambda c: f"{c.params.get('quant', 'native')} base")
+
+
+def _plot_counts(rows: list[tuple[Cell, dict]], path: Path, series: Callable[[Cell], str]) -> Path:
+    """Output tok/s and TPOT against adapter count: a colour per model, a line style per
+    `series(cell)`; a cell with no adapters (LoRA off) is a dotted level line of its series."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     models = list(dict.fromkeys(c.model for c, _ in rows))
-    ranks = list(dict.fromkeys(str(c.params["rank"]) for c, _ in rows if c.params["count"]))
+    names = list(dict.fromkeys(series(c) for c, _ in rows if c.params["count"]))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ["-", "--", "-.", ":"]
     panels: list[tuple[str, Callable[[dict], float]]] = [
@@ -261,15 +363,59 @@ def _plot_lora(rows: list[tuple[Cell, dict]], path: Path) -> Path:
     for ax, (ylabel, value) in zip(axes, panels, strict=True):
         for m, model in enumerate(models):
             color = colors[m % len(colors)]
-            for i, rank in enumerate(ranks):
-                sub = [(c, r) for c, r in rows if c.model == model and str(c.params["rank"]) == rank]
+            for i, name in enumerate(names):
+                sub = [(c, r) for c, r in rows if c.model == model and series(c) == name and c.params["count"]]
                 for xs, ys in _by_model(sub, lambda c, r: c.params["count"], value).values():
-                    ax.plot(xs, ys, styles[i % len(styles)], marker="o", color=color, label=f"{model}, rank {rank}")
-            base = [value(r) for c, r in rows if c.model == model and not c.params["count"] and _ok(r)]
-            if base:
-                ax.axhline(base[0], color=color, linestyle=":", linewidth=1, label=f"{model}, base")
+                    ax.plot(xs, ys, styles[i % len(styles)], marker="o", color=color, label=f"{model}, {name}")
+            for c, r in rows:
+                if c.model == model and not c.params["count"] and _ok(r):
+                    own = series(c) in names  # a per-quant level: its series' line style, faint
+                    style = styles[names.index(series(c)) % len(styles)] if own else ":"
+                    ax.axhline(value(r), color=color, linestyle=style, linewidth=1, alpha=0.6 if own else 1.0,
+                               label=f"{model}, {f'{series(c)}, LoRA off' if own else 'base'}")
         ax.set(xlabel="distinct adapters", ylabel=ylabel, xscale="log")
     axes[0].legend(fontsize=7)
+    return save_figure(fig, path.parent, path.name)
+
+
+def _plot_lora_switch(rows: list[tuple[Cell, dict]], path: Path) -> Path | None:
+    """Three bar panels: adapter load time per rank (disk -> host, host -> KV pool), TPOT of
+    requests each on its own adapter vs all on one, and output tok/s of batched LoRA beside
+    merged weights and one adapter at a time."""
+    loads = [(c, r) for c, r in rows if _kind(c) == "load" and _ok(r)]
+    per_request = [(c, r) for c, r in rows if _kind(c) == "per-request" and _ok(r)]
+    hetero = {(c.model, c.params.get("quant", "native"), c.params["count"], str(c.params["rank"])): (c, r)
+              for c, r in rows if _kind(c) == "sweep" and _ok(r)}
+    against: list[tuple[str, float, str]] = []  # (label, tok/s, colour)
+    for c, r in rows:
+        if _kind(c) not in ("merged", "serial") or not _ok(r):
+            continue
+        quant, count = c.params.get("quant", "native"), c.params.get("count", 1)
+        twin = hetero.get((c.model, quant, count, str(c.params["rank"])))
+        tag = f"{c.model}\n{quant}, n={count}" if _kind(c) == "merged" else f"{c.model}\nn={count}"
+        if twin:
+            against.append((f"{tag}\nbatched", twin[1]["output_throughput"], "#4c72b0"))
+        against.append((f"{tag}\n{'merged' if _kind(c) == 'merged' else 'one at a time'}", r["output_throughput"],
+                        "#dd8452" if _kind(c) == "merged" else "#55a868"))
+    if not (loads or per_request or against):
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    labels = [f"{c.model}\nr={c.params['rank']}" for c, _ in loads]
+    xs = range(len(loads))
+    axes[0].bar([x - 0.2 for x in xs], [r["disk_to_host_ms"] for _, r in loads], 0.4, label="disk -> host")
+    axes[0].bar([x + 0.2 for x in xs], [r["host_to_pool_ms"] for _, r in loads], 0.4, label="host -> KV pool")
+    axes[0].set_xticks(list(xs), labels)
+    axes[0].set(ylabel="ms per adapter (median)", yscale="log", title="loading an adapter")
+    axes[0].legend(fontsize=7)
+    axes[1].bar([f"{c.model}\n{c.params['adapters']}" for c, _ in per_request],
+                [r["tpot_ms"]["median"] for _, r in per_request],
+                color=["#c44e52" if c.params["adapters"] == "distinct" else "#4c72b0" for c, _ in per_request])
+    axes[1].set(ylabel="TPOT p50 (ms)", title="requests on one adapter vs one each")
+    axes[2].bar([a[0] for a in against], [a[1] for a in against], color=[a[2] for a in against])
+    axes[2].set(ylabel="output tok/s", title="batched LoRA vs merged / one at a time")
+    for ax in axes:
+        plt.setp(ax.get_xticklabels(), fontsize=7)
     return save_figure(fig, path.parent, path.name)
 
 
@@ -291,4 +437,9 @@ PLOTS: dict[str, Callable[[list[tuple[Cell, dict]], Path], Path]] = {
                      ("live token states (% of KV in use)", lambda r: 100 * r["memory"]["shares"]["token_states"])]),
     "lora": _plot_lora,
     "peer": lambda rows, path: _plot_latency(rows, path, lambda c: f"{c.model}, {c.params['server']}"),
+}
+
+# Further figures of a part's section (file, plot; a plot returns None when it has nothing to draw).
+EXTRA_PLOTS: dict[str, list[tuple[str, Callable[[list[tuple[Cell, dict]], Path], Path | None]]]] = {
+    "lora": [("lora_quant.png", _plot_lora_quant), ("lora_switch.png", _plot_lora_switch)],
 }

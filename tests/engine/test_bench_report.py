@@ -15,12 +15,18 @@ from pagedserve.bench.study import PARTS, plan, settings_from_args
 MODELS = ["llama-gqa", "qwen2"]
 ARGS = ["report", "--models", ",".join(MODELS), "--quick", "--no-progress", "--num-requests", "6",
         "--rate-fractions", "0.5,1,1.5", "--batch-sizes", "1,2", "--context-lens", "16,4096",
-        "--quant-levels", "native,int8", "--lora-counts", "2", "--lora-ranks", "8"]
+        "--quant-levels", "native,int8", "--lora-counts", "1,2", "--lora-ranks", "8", "--lora-quant", "native,int8"]
 TABLE_HEADERS = {"info": "| model | weights |", "latency": "| model | load |", "batch": "| model | batch |",
                  "context": "| model | prompt tokens |", "quant": "| model | weights | output tok/s |",
                  "memory": "| model | KV bytes / token |", "lora": "| model | adapters | rank |",
-                 "peer": "| model | server | load |"}
-PLOTS = ["latency.png", "batch.png", "context.png", "quant.png", "memory.png", "lora.png"]
+                 "peer": "| model | server | load |",
+                 # the LoRA section's further tables (issue #39.4)
+                 "lora quant": "| model | base weights | adapters | rank |",
+                 "lora load": "| model | rank | adapter MiB (fp32) | KV blocks | disk -> host (ms) | host -> KV pool (ms) |",
+                 "lora per request": "| model | requests on | requests |",
+                 "lora vs merged / one at a time": "| model | serving | base weights | adapters |"}
+PLOTS = ["latency.png", "batch.png", "context.png", "quant.png", "memory.png", "lora.png", "lora_quant.png",
+         "lora_switch.png"]
 
 
 def _store(out, args) -> CellStore:
@@ -44,6 +50,10 @@ def test_report_has_every_table_plot_and_cell(study):
         assert line in report
     for part, header in TABLE_HEADERS.items():
         assert header in report, f"the {part} table"
+    for row in ("| llama-gqa | int8 | 2 | 8 |", "| qwen2 | a different adapter each |", "| qwen2 | one adapter |",
+                "| llama-gqa | one adapter at a time | native | 2 |", "| qwen2 | merged weights | native | 1 |",
+                "| qwen2 | merged weights | int8 | 1 | no merged-weights serving on this base"):
+        assert row in report
     for name in PLOTS:
         assert (out / name).stat().st_size > 1000, name
         assert f"]({name})" in report
@@ -72,7 +82,20 @@ def test_cells_hold_what_the_tables_need(study):
     memory = store.load(Cell("qwen2", "memory", "paged"))["result"]
     assert memory["kv_bytes_per_token"] > 0 and 0 < memory["memory"]["shares"]["token_states"] <= 1
     lora = store.load(Cell("llama-gqa", "lora", "n=2,r=8"))["result"]
-    assert lora["count"] == 2 and lora["disk_loads"] >= 2
+    assert lora["count"] == 2 and lora["disk_loads"] + 1 >= 2, "adapter 1 may stay from the n=1 cell"
+    int8 = store.load(Cell("qwen2", "lora", "n=2,r=8 q=int8"))["result"]
+    assert int8["quantization"] == "int8" and int8["completed"] == 6
+    load = store.load(Cell("qwen2", "lora", "load r=8"))["result"]
+    assert load["adapters"] == 4 and load["kv_blocks"] > 0 and load["adapter_mib_fp32"] > 0
+    assert min(load["disk_to_host_all_ms"]) > 0 and min(load["host_to_pool_all_ms"]) > 0
+    for on in ("one", "distinct"):
+        per_request = store.load(Cell("qwen2", "lora", f"per-request {on}"))["result"]
+        assert per_request["completed"] == 6 and per_request["disk_loads"] == 0, "resident before the run"
+    serial = store.load(Cell("llama-gqa", "lora", "one-at-a-time n=2,r=8"))["result"]
+    assert serial["groups"] == 2 and serial["completed"] == 6
+    assert serial["ttft_ms"]["p99"] > serial["ttft_ms"]["median"], "the second group waits for the first"
+    assert store.load(Cell("llama-gqa", "lora", "merged"))["result"]["completed"] == 6
+    assert "cannot be changed in place" in store.load(Cell("llama-gqa", "lora", "merged q=int8"))["result"]["skipped"]
     assert store.load(Cell("qwen2", "peer", "llama.cpp"))["result"]["available"] is False
 
 
@@ -117,3 +140,44 @@ def test_peer_cells_serve_the_latency_trace_over_http(tmp_path):
     assert served[0]["total_output_tokens"] == served[1]["total_output_tokens"] > 4, "the same requests"
     assert (tmp_path / "peer.png").stat().st_size > 1000
     assert "| llama-gqa | llama.cpp | 0.5 x C |" in (tmp_path / "report.md").read_text()
+
+
+def test_merge_adapter_gives_peft_merged_weights():
+    """bench.lora.merge_adapter (the merged-weights cells) against PEFT's merge_and_unload on
+    the same adapter; merging with sign -1 gives the base weights back."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.bench.common import EngineSpec, make_engine
+    from pagedserve.bench.lora import build_adapters, merge_adapter
+    from pagedserve.bench.study import LORA_TARGETS
+    from pagedserve.demo_models import get_model_path
+    from pagedserve.lora.layers import LoRALinear
+    from pagedserve.lora.peft_loader import PARENT_MODULE, TARGETABLE
+
+    path = str(get_model_path("llama-gqa"))
+    engine = make_engine(EngineSpec(path, max_model_len=128, kv_tokens=512, max_num_seqs=4, max_loras=2))
+    adapter = build_adapters(path, 1, 8, LORA_TARGETS, 3, engine.runner.hf_config, first_id=77)[0]
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    original = {k: v.clone() for k, v in base.state_dict().items()}
+    merged = PeftModel.from_pretrained(base, adapter.lora_path).merge_and_unload().state_dict()
+
+    def compare(expected: dict) -> int:
+        checked = 0
+        for wrapper in engine.runner.model.modules():
+            if isinstance(wrapper, LoRALinear):
+                weight = wrapper.base.weight if getattr(wrapper.base, "weight", None) is not None \
+                    else wrapper.base.packed_weight.to_dense()
+                for module, start, end in wrapper.slices:
+                    name = TARGETABLE[module]
+                    want = expected[f"model.layers.{wrapper.layer_idx}.{PARENT_MODULE[name]}.{name}.weight"]
+                    torch.testing.assert_close(weight[start:end], want, rtol=1e-5, atol=1e-6)
+                    checked += 1
+        return checked
+
+    merge_adapter(engine, adapter)
+    assert compare(merged) >= 4 * engine.runner.hf_config.num_hidden_layers
+    merge_adapter(engine, adapter, -1.0)
+    compare(original)
+    engine.assert_no_leaks()
