@@ -164,7 +164,7 @@ def test_speculative_decoding_matches_transformers(root: Path, name: str, method
 # ---- LoRA ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", [pytest.param("qwen3", marks=pytest.mark.slow), "phi3_partial_rotary"])
+@pytest.mark.parametrize("name", ["phi3_partial_rotary", *(pytest.param(n, marks=pytest.mark.slow) for n in ("qwen3", "granite", "smollm3"))])
 def test_lora_matches_peft(root: Path, name: str) -> None:
     from peft import PeftModel
 
