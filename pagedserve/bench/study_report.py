@@ -374,6 +374,9 @@ def _plot_counts(rows: list[tuple[Cell, dict]], path: Path, series: Callable[[Ce
                     ax.axhline(value(r), color=color, linestyle=style, linewidth=1, alpha=0.6 if own else 1.0,
                                label=f"{model}, {f'{series(c)}, LoRA off' if own else 'base'}")
         ax.set(xlabel="distinct adapters", ylabel=ylabel, xscale="log")
+        counts = sorted({c.params["count"] for c, _ in rows if c.params["count"]})
+        ax.set_xticks(counts, [str(k) for k in counts])  # the counts measured, not 2 x 10^0
+        ax.minorticks_off()
     axes[0].legend(fontsize=7)
     return save_figure(fig, path.parent, path.name)
 

@@ -11,6 +11,7 @@ import pytest
 from pagedserve.bench.cells import Cell, CellStore
 from pagedserve.bench.cli import parse_bench_args, run_bench
 from pagedserve.bench.study import PARTS, plan, settings_from_args
+from pagedserve.cpp_build import cpu_description
 
 MODELS = ["llama-gqa", "qwen2"]
 ARGS = ["report", "--models", ",".join(MODELS), "--quick", "--no-progress", "--num-requests", "6",
@@ -48,6 +49,12 @@ def test_report_has_every_table_plot_and_cell(study):
     report = (out / "report.md").read_text()
     for line in ("- CPU: ", "- Date: ", "- Commit: ", "- Command: `pagedserve bench report --models"):
         assert line in report
+    assert f"- CPU: {cpu_description()}\n" in report, "the CPU's model and ISA (issue #39.5)"
+    sections = report.split("\n## ")[1:]
+    for section in sections:  # each figure's command: its section's (issue #39.5)
+        if "![" in section:
+            command = section.index("Command: `pagedserve bench report --models")
+            assert command < section.index("!["), section.splitlines()[0]
     for part, header in TABLE_HEADERS.items():
         assert header in report, f"the {part} table"
     for row in ("| llama-gqa | int8 | 2 | 8 |", "| qwen2 | a different adapter each |", "| qwen2 | one adapter |",
