@@ -104,12 +104,12 @@ class LoRAManager:
         self._host[lora_id] = adapter
         self._host.move_to_end(lora_id)
         while len(self._host) > self._host_capacity:
-            old_id = next(iter(self._host))
-            if old_id in self._device and old_id != lora_id:
-                self._host.move_to_end(old_id)  # resident adapters keep their host copy
-                if all(i in self._device for i in self._host):
-                    break
-                continue
+            # The oldest copy that is neither this adapter (about to be placed) nor a resident
+            # one's (resident adapters keep theirs). Rotating residents to the end used to bring
+            # `lora_id` to the front once all others were resident, and it was the one evicted.
+            old_id = next((i for i in self._host if i != lora_id and i not in self._device), None)
+            if old_id is None:
+                break  # over capacity until a resident adapter leaves the pool
             del self._host[old_id]
 
     # ---- device tier ---------------------------------------------------------------------

@@ -222,6 +222,19 @@ def test_disk_load_happens_in_the_background(base, adapters, prompts):
     assert engine.lora_manager.num_disk_loads == 1
 
 
+def test_a_new_adapter_loads_when_every_other_host_copy_is_resident(base, adapters, prompts):
+    """The host cache full of resident adapters' copies: the adapter just loaded from disk must
+    not be the one evicted to make room (it was, and placing it raised KeyError)."""
+    llm = LLM(base, max_model_len=256, kv_cache_memory_bytes=32 << 20, enable_lora=True, max_loras=2,
+              max_cpu_loras=2)
+    chosen = adapters[:3]
+    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in range(3)], greedy(), lora_request=chosen,
+                        use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert out.outputs[0].token_ids == expected_tokens(base, prompts[i], chosen[i])
+    llm.llm_engine.assert_no_leaks()
+
+
 def _broken(tmp_path, adapters, name, edit):
     folder = tmp_path / name
     shutil.copytree(adapters[1].lora_path, folder)
