@@ -228,6 +228,11 @@ class SamplingRequest(StrictRequest):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # Prefix-cache isolation: requests share cached blocks only when their salts are equal.
     cache_salt: NonEmptyText | None = None
+    # vLLM's beam search (server/serving_beam.py): n is the beam width; scores are
+    # sum(logprob) / generated_len ** length_penalty; only early_stopping=true is implemented.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | None = None
 
     def output_constraint(self) -> tuple[StructuredOutputsParams, str] | None:
         """(constraint, the field it came from), or None; ValueError naming the field."""

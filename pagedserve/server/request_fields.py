@@ -45,12 +45,11 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "functions": (f"the deprecated functions API {_NOT_IMPLEMENTED}; send tools", ()),
     "function_call": (f"the deprecated functions API {_NOT_IMPLEMENTED}; send tool_choice", ()),
     "verbosity": (f"verbosity {_NOT_IMPLEMENTED}", ()),
-    # vLLM's sampling and prompt extras
-    "use_beam_search": ("beam search runs offline only (LLM.beam_search): the serving engine has no beam "
-                        "path", (False,)),
-    "length_penalty": ("length_penalty (beam search) runs offline only (LLM.beam_search)", (1.0, 1)),
-    # Served on /v1/completions and /v1/chat/completions (declared there, so never seen
-    # here); any other route that receives them refuses them.
+    # vLLM's sampling and prompt extras, served on /v1/completions and /v1/chat/completions
+    # (declared there, so never seen here); any other route that receives them refuses them.
+    "use_beam_search": (f"beam search {_ONLY_COMPLETIONS}", (False,)),
+    "length_penalty": (f"length_penalty (beam search) {_ONLY_COMPLETIONS}", (1.0, 1)),
+    "early_stopping": (f"early_stopping (beam search) {_ONLY_COMPLETIONS}", ()),
     "bad_words": (f"bad_words {_ONLY_COMPLETIONS}", ([],)),
     "allowed_token_ids": (f"allowed_token_ids {_ONLY_COMPLETIONS}", ()),
     "truncate_prompt_tokens": (f"truncate_prompt_tokens {_ONLY_COMPLETIONS} and /v1/embeddings", ()),

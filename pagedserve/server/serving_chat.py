@@ -36,6 +36,13 @@ from pagedserve.server.protocol import (
     Usage,
     random_id,
 )
+from pagedserve.server.serving_beam import (
+    beam_usage,
+    decode,
+    generated,
+    search_all,
+    wants_beam_search,
+)
 from pagedserve.server.serving_common import (
     MIN_LOGPROB,
     SSE_DONE,
@@ -109,6 +116,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     prompt_text, prompt_ids = await render_chat(ctx, body)
     # truncate_prompt_tokens: usage and the context-length check count the kept tokens.
     prompt_ids = ctx.processor.truncate_prompt(prompt_ids, body.truncate_prompt_tokens)
+    if wants_beam_search(body):
+        return await _beam_search(ctx, body, raw_request, model, prompt_ids, lora)
     parsing = OutputParsing(tools, get_reasoning_parser(ctx.reasoning_parser) if ctx.reasoning_parser else None,
                             prompt_text, template_kwargs(ctx, body))
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -140,6 +149,28 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
                                                           collected.choices[0].num_cached_tokens)
     if body.prompt_logprobs is not None:
         response.prompt_logprobs = prompt_logprobs_out(collected.choices[0].prompt_logprobs)
+    return JSONResponse(response.model_dump())
+
+
+async def _beam_search(
+    ctx: ServerContext, body: ChatCompletionRequest, raw_request: Request, model: str, prompt_ids: list[int],
+    lora: object,
+) -> Response:
+    """use_beam_search (serving_beam.py): the n best beams as choices, best first; the text is
+    the message's content (tools are refused with beam search, reasoning is not split off)."""
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    (output,) = await search_all(ctx, body, raw_request, [prompt_ids], max_tokens, lora, "messages")
+    choices = []
+    for i, sequence in enumerate(output.sequences):
+        token_ids = generated(sequence, prompt_ids)
+        choices.append(ChatChoice(
+            index=i, message=ChatMessageOut(role="assistant", content=decode(ctx, body, token_ids)),
+            finish_reason=sequence.finish_reason, token_ids=token_ids if body.return_token_ids else None,
+        ))
+    response = ChatCompletionResponse(
+        id=random_id("chatcmpl"), model=model, choices=choices, usage=beam_usage([prompt_ids], [output]),
+        prompt_token_ids=prompt_ids if body.return_token_ids else None,
+    )
     return JSONResponse(response.model_dump())
 
 

@@ -28,6 +28,13 @@ from pagedserve.server.protocol import (
     Usage,
     random_id,
 )
+from pagedserve.server.serving_beam import (
+    beam_usage,
+    decode,
+    generated,
+    search_all,
+    wants_beam_search,
+)
 from pagedserve.server.serving_common import (
     SSE_DONE,
     Collected,
@@ -60,6 +67,8 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_req
     lora = ctx.lora_for(model)
     _check_fields(body)
     prompts = _truncated(ctx, body, await _prompts(ctx, body, body.prompt))
+    if wants_beam_search(body):
+        return await _beam_search(ctx, body, raw_request, model, prompts, lora)
     num_samples = body.best_of or body.n
     if len(prompts) * num_samples > MAX_ENGINE_REQUESTS:
         raise APIError(400, f"n: prompts x samples must be <= {MAX_ENGINE_REQUESTS}", "n")
@@ -81,6 +90,25 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_req
         )
     collected = await collect(group, raw_request, body.n)
     return JSONResponse(_response(ctx, body, model, request_id, prompts, collected).model_dump())
+
+
+async def _beam_search(
+    ctx: ServerContext, body: CompletionRequest, raw_request: Request, model: str, prompts: list[Prompt], lora: object,
+) -> Response:
+    """use_beam_search (serving_beam.py): prompt k's beams are choices k * n .. k * n + n - 1, best first."""
+    ids = [prompt_ids for _, prompt_ids in prompts]
+    outputs = await search_all(ctx, body, raw_request, ids, body.max_tokens, lora, "prompt")
+    choices = []
+    for k, (prompt_ids, output) in enumerate(zip(ids, outputs, strict=True)):
+        for i, sequence in enumerate(output.sequences):
+            token_ids = generated(sequence, prompt_ids)
+            choices.append(CompletionChoice(
+                index=k * body.n + i, text=decode(ctx, body, token_ids), finish_reason=sequence.finish_reason,
+                prompt_token_ids=prompt_ids if body.return_token_ids else None,
+                token_ids=token_ids if body.return_token_ids else None,
+            ))
+    response = CompletionResponse(id=random_id("cmpl"), model=model, choices=choices, usage=beam_usage(ids, outputs))
+    return JSONResponse(response.model_dump())
 
 
 def _check_fields(body: CompletionRequest) -> None:

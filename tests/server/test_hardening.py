@@ -319,7 +319,7 @@ def test_openapi_document_describes_the_server(server: LiveServer) -> None:
 # not implement: each is a 400 naming it, never silently ignored (issues #16.6, #37.1). The
 # whole list, with the reason for each, is request_fields.REFUSED (and
 # docs/vllm_compatibility.md); an entry leaves both when implemented.
-UNSUPPORTED = ["suffix", "audio", "use_beam_search", "logits_processors", "kv_transfer_params"]
+UNSUPPORTED = ["suffix", "audio", "verbosity", "logits_processors", "kv_transfer_params"]
 # Any other unknown field is accepted (and logged once): #37.1 (c).
 UNKNOWN = ["no_such_field", "metadata"]
 

@@ -37,7 +37,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "strict": True
 REFUSED_CHAT = [
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("web_search_options", {}), ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
-    ("use_beam_search", True), ("logits_processors", ["x"]), ("echo", True), ("chat_template", "{{ x }}"),
+    ("verbosity", "low"), ("logits_processors", ["x"]), ("echo", True), ("chat_template", "{{ x }}"),
 ]
 # OpenAI's nullable fields, sent as null: the same as leaving them out.
 NULLS = ["n", "presence_penalty", "frequency_penalty", "logprobs", "parallel_tool_calls", "stream", "prediction",
