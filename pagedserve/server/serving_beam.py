@@ -23,7 +23,7 @@ from fastapi import Request
 from pagedserve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedserve.server.errors import APIError, bad_request, known_failure
 from pagedserve.server.protocol import SamplingRequest, Usage, random_id
-from pagedserve.server.serving_common import ClientDisconnected, ServerContext
+from pagedserve.server.serving_common import RETRY_AFTER_S, ClientDisconnected, ServerContext
 
 # How often the handler asks the engine thread whether the search has finished.
 RESULT_POLL_S = 0.01
@@ -82,6 +82,14 @@ async def run_beam_search(
     engine = ctx.engine
     if not hasattr(engine, "submit_call"):
         raise APIError(400, "use_beam_search is not served with replicas (--data-parallel-size)", "use_beam_search")
+    # The engine's search registers its adapter itself and an unload does not end it: the
+    # serving path's adapter guarantees (async_engine._add / _unload) would not hold.
+    if lora is not None:
+        raise APIError(400, "use_beam_search is not served for LoRA adapters; use the base model", "use_beam_search")
+    if ctx.max_queue_len is not None and engine.num_waiting >= ctx.max_queue_len:
+        raise APIError(503, f"The server is overloaded: {engine.num_waiting} requests are waiting "
+                       f"(--max-queue-len {ctx.max_queue_len}). Retry later.", None, "overloaded",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
     request_id = random_id("beam")
 
     def add(e: Any) -> None:
@@ -110,7 +118,19 @@ async def run_beam_search(
         raise (known_failure(exc) or exc) from None
     finally:
         if not finished:
-            engine.abort([request_id])
+            _abort(engine, request_id)
+
+
+def _abort(engine: Any, request_id: str) -> None:
+    """Ends the search, or drops its result if it finished after the last look."""
+    def drop(e: Any) -> None:
+        e.abort_request([request_id])
+        e.beam_search.results.pop(request_id, None)
+
+    try:
+        engine.submit_call(drop)
+    except Exception:  # noqa: BLE001 - a stopped engine has nothing left to end
+        pass
 
 
 async def search_all(

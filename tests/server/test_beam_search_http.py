@@ -122,3 +122,19 @@ def test_length_penalty_without_beam_search_is_400(server: LiveServer) -> None:
                       json={"model": TEST_MODEL, "prompt": "hi", "max_tokens": 2, "length_penalty": 0.5})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "length_penalty", resp.text
     server.assert_no_leaks()
+
+
+def test_a_client_that_leaves_aborts_the_search(server: LiveServer) -> None:
+    """The handler notices the disconnect and aborts the beams: their blocks go back to the pool."""
+    body = {"model": TEST_MODEL, "prompt": [1, 2], "n": 10, "max_tokens": 250, "ignore_eos": True,
+            "use_beam_search": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.v1 + "/completions", json=body, timeout=0.05)
+    server.wait_idle(timeout_s=30)
+    server.assert_no_leaks()
+    searches = server.ctx.engine.call_in_engine_thread(  # type: ignore[attr-defined]
+        lambda e: (dict(e.beam_search.groups), dict(e.beam_search.results)))
+    assert searches == ({}, {})  # nothing left behind, finished or not
+    done = httpx.post(server.v1 + "/completions", json={**body, "max_tokens": 2}, timeout=60)  # still serving
+    assert done.status_code == 200 and len(done.json()["choices"]) == 10, done.text
+    server.assert_no_leaks()
