@@ -67,11 +67,11 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw_req
     lora = ctx.lora_for(model)
     _check_fields(body)
     prompts = _truncated(ctx, body, await _prompts(ctx, body, body.prompt))
-    if wants_beam_search(body):
-        return await _beam_search(ctx, body, raw_request, model, prompts, lora)
     num_samples = body.best_of or body.n
     if len(prompts) * num_samples > MAX_ENGINE_REQUESTS:
         raise APIError(400, f"n: prompts x samples must be <= {MAX_ENGINE_REQUESTS}", "n")
+    if wants_beam_search(body):
+        return await _beam_search(ctx, body, raw_request, model, prompts, lora)
     # echo with max_tokens=0 scores the prompt only: the engine generates one token, dropped.
     max_tokens = 1 if _echo_only(body) else body.max_tokens
     params = make_params(body, max_tokens, body.logprobs, ctx.sampling_defaults, _engine_prompt_logprobs(body))
