@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 from collections.abc import Iterator
+from importlib.util import find_spec
 from typing import Annotated, Any
 
 import pytest
@@ -32,8 +33,10 @@ os.environ["OPENAI_AGENTS_DISABLE_TRACING"] = "1"
 
 _SKIP = ("the third-party clients (the `clients` extra) are not installed: PAGEDSERVE_CLIENTS=1 scripts/setup.sh "
          "installs them")
-for _module in ("langchain_openai", "litellm", "agents", "instructor"):
-    pytest.importorskip(_module, reason=_SKIP)
+# Looked up, not imported: importing them all costs ~20 s, paid by their own tests only.
+_MISSING = [name for name in ("langchain_openai", "litellm", "agents", "instructor") if find_spec(name) is None]
+if _MISSING:
+    pytest.skip(f"{_SKIP} (missing: {', '.join(_MISSING)})", allow_module_level=True)
 
 import openai  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
