@@ -736,6 +736,7 @@ struct DenseParams {
   int64_t groups;
   float center;
   static constexpr int64_t kPerGroup = Centered ? kTile : 2 * kTile;
+  DenseParams local() const { return *this; }
   inline void operator()(int64_t t, int64_t g, __m256& s0, __m256& s1, __m256& l0, __m256& l1) const {
     const Param* st = p + (t * groups + g) * kPerGroup;
     if constexpr (Centered) {
@@ -775,17 +776,29 @@ struct KParams {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
   }
   static inline __m256 h8(const uint8_t* b) { return load_half8(reinterpret_cast<const c10::Half*>(b)); }
+  // The super-block's d (and -dmin, center) as floats, converted once for its G groups: a copy
+  // of this struct per thread and tile (`local`) keeps them (nullptr: none yet).
+  mutable const uint8_t* cached = nullptr;
+  mutable __m256 d0, d1, nmin0, nmin1, c0, c1;
+  KParams local() const { return KParams{p, per_sb, sb_bytes, sbs, center}; }
   inline void operator()(int64_t t, int64_t g, __m256& s0, __m256& s1, __m256& l0, __m256& l1) const {
     const uint8_t* sb = p + (t * sbs + g / per_sb) * sb_bytes;
     const uint8_t* gp = sb + kHead + (g % per_sb) * kPerGroup;
-    s0 = _mm256_mul_ps(h8(sb), i8x8(gp));
-    s1 = _mm256_mul_ps(h8(sb + 16), i8x8(gp + 8));
+    if (sb != cached) {
+      cached = sb;
+      d0 = h8(sb), d1 = h8(sb + 16);
+      if constexpr (Affine) {
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        nmin0 = _mm256_xor_ps(h8(sb + 32), sign), nmin1 = _mm256_xor_ps(h8(sb + 48), sign);
+        c0 = u8x8(sb + 64), c1 = u8x8(sb + 72);
+      }
+    }
+    s0 = _mm256_mul_ps(d0, i8x8(gp));
+    s1 = _mm256_mul_ps(d1, i8x8(gp + 8));
     if constexpr (Affine) {
-      const __m256 sign = _mm256_set1_ps(-0.0f);
-      const __m256 ndm0 = _mm256_xor_ps(_mm256_mul_ps(h8(sb + 32), i8x8(gp + 16)), sign);
-      const __m256 ndm1 = _mm256_xor_ps(_mm256_mul_ps(h8(sb + 48), i8x8(gp + 24)), sign);
-      l0 = _mm256_fnmadd_ps(u8x8(sb + 64), s0, ndm0);
-      l1 = _mm256_fnmadd_ps(u8x8(sb + 72), s1, ndm1);
+      // (-dmin) * m = -(dmin * m) exactly (a sign flip commutes with the rounding)
+      l0 = _mm256_fnmadd_ps(c0, s0, _mm256_mul_ps(nmin0, i8x8(gp + 16)));
+      l1 = _mm256_fnmadd_ps(c1, s1, _mm256_mul_ps(nmin1, i8x8(gp + 24)));
     } else {
       const __m256 minus_center = _mm256_set1_ps(-center);
       l0 = _mm256_mul_ps(s0, minus_center);
@@ -806,10 +819,11 @@ void int4_grouped_impl(const at::Tensor& xf, const at::Tensor& q, int64_t groups
   const TileOut out(y, bias, N);
   for_tiles(tiles, K * Load::kBytesPerK, M, [&](int64_t t, float* tot) {
     std::fill(tot, tot + M * kTile, 0.0f);
+    const Params tile_params = params.local();
     chan_all_rows(xd, M, K, group, Load{qd + t * K * Load::kBytesPerK},
                   [&](int64_t m0, int64_t g, __m256 (*acc)[2], int mt) {
                     __m256 s0, s1, l0, l1;
-                    params(t, g, s0, s1, l0, l1);
+                    tile_params(t, g, s0, s1, l0, l1);
                     fold_group<true>(tot, m0, g, groups, acc, mt, s0, s1, l0, l1, xsum.data());
                   });
     out.store(tot, M, t);
@@ -830,9 +844,10 @@ void dequant_tiles_impl(const at::Tensor& q, int64_t groups, const Params& param
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const Load load{reinterpret_cast<decltype(Load::w)>(qd + t * K * Load::kBytesPerK)};
+      const Params tile_params = params.local();
       for (int64_t g = 0; g < groups; ++g) {
         __m256 s0, s1, l0, l1;
-        params(t, g, s0, s1, l0, l1);
+        tile_params(t, g, s0, s1, l0, l1);
         for (int64_t k = g * group; k < (g + 1) * group; ++k) {
           __m256 lo, hi;
           load(k, lo, hi);
