@@ -130,6 +130,10 @@ class BeamGroup:
         ]
 
 
+class BeamSearchFailed(RuntimeError):
+    """A search whose inputs failed to build: its caller's error, the engine goes on."""
+
+
 class BeamSearchDriver:
     """Applies beam groups' decisions to the scheduler; owns the groups and their results.
 
@@ -142,7 +146,8 @@ class BeamSearchDriver:
         self.tokenizer = tokenizer
         self.groups: dict[str, BeamGroup] = {}
         self.group_of: dict[str, str] = {}
-        self.results: dict[str, BeamSearchOutput] = {}
+        # A finished search's output, or the error that ended it (`take` raises it).
+        self.results: dict[str, BeamSearchOutput | BeamSearchFailed] = {}
         self._ready: list[str] = []
         self._forks = 0
 
@@ -218,6 +223,18 @@ class BeamSearchDriver:
                 score=hyp.score,
             ))
         return BeamSearchOutput(sequences)
+
+    def fail(self, group_id: str, reason: str) -> None:
+        """Ends the search with an error its caller gets from `take` (never the engine's)."""
+        if self.abort(group_id):
+            self.results[group_id] = BeamSearchFailed(f"beam search {group_id} failed: {reason}")
+
+    def take(self, group_id: str) -> BeamSearchOutput | None:
+        """The search's output once it finished (removed), None before; raises its failure."""
+        result = self.results.pop(group_id, None)
+        if isinstance(result, BeamSearchFailed):
+            raise result
+        return result
 
     def abort(self, group_id: str) -> bool:
         group = self.groups.pop(group_id, None)

@@ -419,10 +419,10 @@ class LLMEngine:
             if reason is None:
                 continue
             if item.request.is_beam:
-                # Beam search is offline only (LLM.beam_search) and one decision over all its
-                # beams: its caller gets the error.
-                self.beam_search.abort(item.request.group_id)
-                raise RuntimeError(f"beam search {item.request.group_id} failed: {reason}")
+                # One decision over all its beams: the whole search ends, its caller (LLM.beam_search
+                # or a use_beam_search request) gets the error, and the engine goes on.
+                self.beam_search.fail(item.request.group_id or "", reason)
+                continue
             for request in (item.request, *item.fork_requests):
                 self._end_with_error(request, reason)
                 failed.append(request)

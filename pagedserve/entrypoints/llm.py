@@ -209,7 +209,12 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [engine.beam_search.results.pop(i) for i in ids]
+        try:
+            outputs = [engine.beam_search.take(i) for i in ids]  # raises a failed search's error
+        finally:
+            for i in ids:
+                engine.beam_search.results.pop(i, None)
+        return [o for o in outputs if o is not None]
 
     def _add_all(
         self,

@@ -96,7 +96,7 @@ async def run_beam_search(
         e.add_beam_search(request_id, prompt, params, lora_request=lora)
 
     def take(e: Any) -> BeamSearchOutput | None:
-        return e.beam_search.results.pop(request_id, None)
+        return e.beam_search.take(request_id)
 
     try:
         await asyncio.wrap_future(engine.submit_call(add))

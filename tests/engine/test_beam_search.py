@@ -102,3 +102,28 @@ def test_invalid_beam_params():
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(ValueError, match="max_tokens"):
         BeamSearchParams(beam_width=2, max_tokens=0)
+
+
+def test_a_search_failing_in_the_runner_ends_alone(model_path):
+    """A beam whose sampling inputs fail to build ends its search with an error for its caller
+    (`take` raises it); the engine, and a request beside it, go on (it raised out of step())."""
+    from pagedserve.config import CacheConfig, EngineConfig, ModelConfig
+    from pagedserve.engine.beam_search import BeamSearchFailed
+    from pagedserve.engine.faults import FailRequests
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.sampling_params import SamplingParams
+
+    faults = FailRequests("sampling_inputs", ["doomed#beam0"])
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=model_path("llama-gqa")),
+                                    cache=CacheConfig(kv_cache_memory_bytes=8 << 20)), faults=faults)
+    engine.add_beam_search("doomed", {"prompt_token_ids": [5, 6, 7]}, BeamSearchParams(beam_width=2, max_tokens=6))
+    engine.add_request("beside", {"prompt_token_ids": [8, 9]}, SamplingParams(temperature=0, max_tokens=6,
+                                                                                ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests() or engine.beam_search.has_work():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert faults.num_raised >= 1
+    with pytest.raises(BeamSearchFailed, match="injected fault"):
+        engine.beam_search.take("doomed")
+    assert len(finished["beside"].outputs[0].token_ids) == 6
+    engine.assert_no_leaks()
