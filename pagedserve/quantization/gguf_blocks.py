@@ -252,8 +252,12 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
     for all), W = (q - 32) s; a shard with a level 0 (Q5_1, Q5_K, Q4_K): float32 (s, l0) pairs
     for all, a centered shard's l0 = -2^(bits-1) s (exact).
 
-    Layer tensors: qweight_tiles (out/16, in, 10 or 12) uint8, scale_tiles (out/16, in / g, 16)
-    float16 / float32 or (out/16, in / g, 2, 16) float32. Needs the GEMV kernel (`gguf_method`).
+    K-quants alone (Q4_K / Q5_K / Q6_K, any mix; Q4_K in 4-bit tiles): the file's own
+    parameters per super-block of 256 (`pack_superblock_params`), multiplied out by the kernel.
+
+    Layer tensors: qweight_tiles (out/16, in, 8, 10 or 12) uint8, scale_tiles (out/16, in / g, 16)
+    float16 / float32, (out/16, in / g, 2, 16) float32, or uint8 super-block parameters
+    (out/16, in / 256, B). Needs the GEMV kernel (`gguf_method`).
     """
 
     name = "gguf-bits"
