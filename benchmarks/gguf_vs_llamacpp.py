@@ -207,9 +207,8 @@ def engine_reply(llm, prompt: list[int], tokens: int) -> tuple[list[int], float]
 # ---- sections ---------------------------------------------------------------------------------
 
 
-def section_speed(args: argparse.Namespace, model_path: str, results: dict) -> None:
+def section_speed(args: argparse.Namespace, model_path: str, vocab: int, results: dict) -> None:
     llm = build_llm(model_path)
-    vocab = llm.llm_engine.model_config.hf_config.vocab_size
     engine_decode(llm, 8, 0)  # warm-up
     engine_prefill(llm, 64, vocab, 0)
     ours_tg, ours_pp, theirs_tg, theirs_pp = [], [], [], []
@@ -370,7 +369,7 @@ def main() -> None:
     vocab = load_hf_config(Path(model_path)).vocab_size
     results: dict[str, Any] = {}
     if args.sections & {"decode", "prefill"}:
-        section_speed(args, model_path, results)
+        section_speed(args, model_path, vocab, results)
     if "serve" in args.sections:
         section_serve(args, model_path, vocab, results)
     if "lora" in args.sections:
