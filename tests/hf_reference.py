@@ -52,3 +52,26 @@ def hf_token_logprobs(path: str, prompt: list[int], output: list[int]) -> list[f
     logprobs = torch.log_softmax(logits, dim=-1)
     positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(output))
     return logprobs[positions, torch.tensor(output)].tolist()
+
+
+def hf_beams(path: str, prompt: list[int], width: int, length_penalty: float, max_tokens: int, ignore_eos: bool):
+    """transformers' beams (generated tokens, score), best first."""
+    model = load_hf(path)
+    kwargs = {"eos_token_id": None} if ignore_eos else {}
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            num_beams=width, num_return_sequences=width, do_sample=False, early_stopping=True,
+            length_penalty=length_penalty, max_new_tokens=max_tokens, pad_token_id=model.config.pad_token_id,
+            output_scores=True, return_dict_in_generate=True, **kwargs,
+        )
+    pad, eos = model.config.pad_token_id, model.config.eos_token_id
+    beams = []
+    for seq, score in zip(out.sequences, out.sequences_scores, strict=True):
+        tokens = seq[len(prompt):].tolist()
+        if eos in tokens and not ignore_eos:
+            tokens = tokens[: tokens.index(eos) + 1]
+        while len(tokens) > 1 and tokens[-1] == pad:
+            tokens.pop()
+        beams.append((tokens, score.item()))
+    return beams

@@ -81,11 +81,8 @@ def decode(qtype: str, raw: torch.Tensor, shape: tuple[int, int]) -> Decoded:
     """
     if qtype not in BLOCKS:
         raise ValueError(f"GGUF type {qtype} has no exact integer form here")
-    per_block, nbytes = BLOCKS[qtype]
     out_features, in_features = shape
-    if in_features % per_block:
-        raise ValueError(f"GGUF {qtype} needs in_features % {per_block} == 0, got {shape}")
-    blocks = raw.reshape(-1).numpy().view(np.uint8).reshape(-1, nbytes)
+    blocks = _block_rows(qtype, raw, shape)
     q, s, l0, group = _DECODERS[qtype](blocks)
     groups = in_features // group
     return Decoded(
@@ -223,11 +220,8 @@ def k_parts(qtype: str, raw: torch.Tensor, shape: tuple[int, int]) -> KParts:
     """A K-quant tensor's raw blocks -> its KParts (the integers `decode` multiplies out)."""
     if qtype not in K_TYPES:
         raise ValueError(f"{qtype} is not a K-quant with integer sub-block scales")
-    per_block, nbytes = BLOCKS[qtype]
     out_features, in_features = shape
-    if in_features % per_block:
-        raise ValueError(f"GGUF {qtype} needs in_features % {per_block} == 0, got {shape}")
-    b = raw.reshape(-1).numpy().view(np.uint8).reshape(-1, nbytes)
+    b = _block_rows(qtype, raw, shape)
     if qtype == "Q6_K":
         d = b[:, 208:210].copy().view(np.float16)[:, 0]
         dmin = np.zeros_like(d)
@@ -239,7 +233,7 @@ def k_parts(qtype: str, raw: torch.Tensor, shape: tuple[int, int]) -> KParts:
         sc6, m6 = _k_scale_min(b[:, 4:16])
         sc, mn = sc6.astype(np.int8), m6.astype(np.int8)
         group = 32
-    blocks = in_features // per_block
+    blocks = in_features // BLOCKS[qtype][0]
     return KParts(
         torch.from_numpy(np.ascontiguousarray(d)).reshape(out_features, blocks),
         torch.from_numpy(np.ascontiguousarray(dmin)).reshape(out_features, blocks),
@@ -253,3 +247,11 @@ _DECODERS = {
     "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
     "IQ4_NL": _iq4_nl, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_XS": _iq4_xs,
 }
+
+
+def _block_rows(qtype: str, raw: torch.Tensor, shape: tuple[int, int]) -> np.ndarray:
+    """The tensor's raw bytes as one row per block; in_features must hold whole blocks."""
+    per_block, nbytes = BLOCKS[qtype]
+    if shape[1] % per_block:
+        raise ValueError(f"GGUF {qtype} needs in_features % {per_block} == 0, got {shape}")
+    return raw.reshape(-1).numpy().view(np.uint8).reshape(-1, nbytes)

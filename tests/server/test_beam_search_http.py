@@ -12,10 +12,9 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-import torch
 from transformers import AutoTokenizer
 
-from hf_reference import load_hf, make_prompts
+from hf_reference import hf_beams, make_prompts
 from server_fixtures import SERVE_ARGS, TEST_MODEL, LiveServer, running_server
 
 MAX_TOKENS = 12
@@ -23,26 +22,10 @@ MAX_TOKENS = 12
 _EOS_CANDIDATES = {"lengths": [3, 6, 9, 12] * 25, "seed": 33, "indices": [63, 80, 81, 84]}
 
 
-def hf_beams(path: str, prompt: list[int], width: int, length_penalty: float, max_tokens: int,
-             ignore_eos: bool) -> list[list[int]]:
-    """transformers' beams (generated tokens), best first; EOS kept, padding dropped."""
-    model = load_hf(path)
-    kwargs = {"eos_token_id": None} if ignore_eos else {}
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            num_beams=width, num_return_sequences=width, do_sample=False, early_stopping=True,
-            length_penalty=length_penalty, max_new_tokens=max_tokens, pad_token_id=model.config.pad_token_id, **kwargs)
-    pad, eos = model.config.pad_token_id, model.config.eos_token_id
-    beams = []
-    for seq in out:
-        tokens = seq[len(prompt):].tolist()
-        if eos in tokens and not ignore_eos:
-            tokens = tokens[: tokens.index(eos) + 1]
-        while len(tokens) > 1 and tokens[-1] == pad:
-            tokens.pop()
-        beams.append(tokens)
-    return beams
+def hf_beam_tokens(path: str, prompt: list[int], width: int, length_penalty: float, max_tokens: int,
+                   ignore_eos: bool) -> list[list[int]]:
+    """transformers' beams (generated tokens), best first."""
+    return [tokens for tokens, _ in hf_beams(path, prompt, width, length_penalty, max_tokens, ignore_eos)]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +48,7 @@ def test_completions_beams_equal_transformers(server: LiveServer, width: int, le
     assert [c.index for c in reply.choices] == list(range(2 * width))
     tokenizer = AutoTokenizer.from_pretrained(server.model_path)
     for k, prompt in enumerate(prompts):
-        expected = hf_beams(server.model_path, prompt, width, length_penalty, MAX_TOKENS, ignore_eos=True)
+        expected = hf_beam_tokens(server.model_path, prompt, width, length_penalty, MAX_TOKENS, ignore_eos=True)
         ours = reply.choices[k * width:(k + 1) * width]
         assert [c.token_ids for c in ours] == expected  # type: ignore[attr-defined]
         assert [c.text for c in ours] == [tokenizer.decode(t, skip_special_tokens=True) for t in expected]
@@ -80,7 +63,7 @@ def test_completions_beams_that_end_on_eos(server: LiveServer) -> None:
     engine = server.ctx.engine.engine  # type: ignore[attr-defined]
     candidates = make_prompts(engine.vocab_size, _EOS_CANDIDATES["lengths"], seed=_EOS_CANDIDATES["seed"])
     prompt = candidates[_EOS_CANDIDATES["indices"][0]]  # type: ignore[index]
-    expected = hf_beams(server.model_path, prompt, 2, 1.0, 40, ignore_eos=False)
+    expected = hf_beam_tokens(server.model_path, prompt, 2, 1.0, 40, ignore_eos=False)
     reply = _client(server).completions.create(
         model=TEST_MODEL, prompt=prompt, n=2, max_tokens=40, extra_body={"use_beam_search": True, "return_token_ids": True})
     assert [c.token_ids for c in reply.choices] == expected  # type: ignore[attr-defined]
@@ -97,7 +80,7 @@ def test_chat_beams_equal_transformers(server: LiveServer) -> None:
     reply = _client(server).chat.completions.create(
         model=TEST_MODEL, messages=messages, n=2, max_completion_tokens=MAX_TOKENS,  # type: ignore[arg-type]
         extra_body={"use_beam_search": True, "ignore_eos": True})
-    expected = hf_beams(server.model_path, prompt, 2, 1.0, MAX_TOKENS, ignore_eos=True)
+    expected = hf_beam_tokens(server.model_path, prompt, 2, 1.0, MAX_TOKENS, ignore_eos=True)
     assert [c.message.content for c in reply.choices] == [tokenizer.decode(t, skip_special_tokens=True)
                                                          for t in expected]
     assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
