@@ -20,10 +20,12 @@ import torch
 
 from pagedserve import envs
 from pagedserve.config import EngineConfig
+from pagedserve.core.hybrid_kv_manager import HybridKVCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import PreemptionPolicy
 from pagedserve.distributed.tp_workers import TPWorkers, WorkerSpec, worker_threads
 from pagedserve.dtypes import lora_dtype
+from pagedserve.lora.layers import lora_targets
 from pagedserve.lora.manager import LoRAManager
 from pagedserve.lora.peft_loader import module_dims_for
 from pagedserve.models.loader import check_shardable
@@ -157,15 +159,17 @@ def start_lora(config: EngineConfig, kv_manager: Any, runner: ModelRunner, shard
     scheduler asks it what is resident and hands placements to the runner in each step."""
     if config.lora is None:
         return None
-    assert isinstance(kv_manager, KVCacheManager), "EngineConfig checks: LoRA needs the paged pool"
+    # Windowed layers' per-group tables share one pool too; adapter runs sit in no table.
+    assert isinstance(kv_manager, KVCacheManager | HybridKVCacheManager), "EngineConfig checks: LoRA needs the paged pool"
     return LoRAManager(
         config.lora,
         kv_manager.pool,
-        module_dims_for(runner.hf_config),
+        module_dims_for(runner.hf_config, lora_targets(runner.model)),
         len(runner.attn_layers),
         runner.lora_block_elems(),
         runner.write_adapter,
         shard=runner.lora_shard if sharded else None,
+        num_caches=len(runner.kv_caches),  # fewer than the layers with windowed layers
     )
 
 

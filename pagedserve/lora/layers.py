@@ -28,6 +28,7 @@ from torch import nn
 
 from pagedserve.distributed.parallel_state import SINGLE
 from pagedserve.lora.kernels import flat_storage, kernel_available, kernel_handles
+from pagedserve.lora.layout import cache_index
 from pagedserve.lora.peft_loader import TARGETABLE
 from pagedserve.lora.segments import LoRASegments, table_slices
 from pagedserve.models.layers.linear import RowParallelLinear
@@ -89,6 +90,14 @@ class LoRALinear(nn.Module):
         return self.tp.all_reduce(y)
 
 
+def bind_lora_layers(wrappers: list[LoRALinear], kv_caches: list[torch.Tensor], dtype: torch.dtype) -> None:
+    """Points every wrapper at the cache tensor its layer's adapter weights live in: its own
+    layer's, or with windowed layers (fewer tensors than layers) the one
+    `layout.cache_index` names."""
+    for wrapper in wrappers:
+        wrapper.bind(kv_caches[cache_index(wrapper.layer_idx, len(kv_caches))], dtype)
+
+
 def _slices(layer: nn.Module, names: tuple[str, ...]) -> list[tuple[int, int, int]]:
     bounds, start = [], 0
     for name, size in zip(names, layer.output_sizes, strict=True):
@@ -97,8 +106,15 @@ def _slices(layer: nn.Module, names: tuple[str, ...]) -> list[tuple[int, int, in
     return bounds
 
 
+def lora_targets(model: nn.Module) -> tuple[str, ...]:
+    """The TARGETABLE projections `model` takes adapters on: its class's `lora_targets`
+    (Qwen3-MoE: attention only, its MLPs are experts), else all of them."""
+    return tuple(getattr(model, "lora_targets", TARGETABLE))
+
+
 def wrap_model_for_lora(model: nn.Module) -> list[LoRALinear]:
-    """Wraps the projections of a Llama-family model in place; returns the wrappers.
+    """Wraps the projections of a Llama-family model in place (those `lora_targets` names);
+    returns the wrappers.
 
     Raises:
         ValueError: the model has no Llama-style decoder layers (LoRA needs them).
@@ -106,12 +122,18 @@ def wrap_model_for_lora(model: nn.Module) -> list[LoRALinear]:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer.self_attn, "qkv_proj") for layer in layers):
         raise ValueError(f"enable_lora: {type(model).__name__} is not supported (LoRA serves Llama-family models)")
+    # The loader refuses adapters on the rest (peft_loader.module_dims_for), so an unwrapped
+    # projection never has weights in a layout.
+    with_mlp = "gate_proj" in lora_targets(model)
     wrappers = []
     for index, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         attn.qkv_proj = LoRALinear(attn.qkv_proj, index, _slices(attn.qkv_proj, ("q_proj", "k_proj", "v_proj")))
         attn.o_proj = LoRALinear(attn.o_proj, index, _slices(attn.o_proj, ("o_proj",)))
-        mlp.gate_up_proj = LoRALinear(mlp.gate_up_proj, index, _slices(mlp.gate_up_proj, ("gate_proj", "up_proj")))
-        mlp.down_proj = LoRALinear(mlp.down_proj, index, _slices(mlp.down_proj, ("down_proj",)))
-        wrappers += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        wrappers += [attn.qkv_proj, attn.o_proj]
+        if with_mlp:
+            mlp = layer.mlp
+            mlp.gate_up_proj = LoRALinear(mlp.gate_up_proj, index, _slices(mlp.gate_up_proj, ("gate_proj", "up_proj")))
+            mlp.down_proj = LoRALinear(mlp.down_proj, index, _slices(mlp.down_proj, ("down_proj",)))
+            wrappers += [mlp.gate_up_proj, mlp.down_proj]
     return wrappers

@@ -21,6 +21,21 @@ are of similar size for Llama (sum of r * in vs sum of r * out), so little is wa
 
 Offsets are relative to the run's first element; the absolute offset passed to the kernel
 is first_block * E + offset.
+
+Models with windowed layers (core/kv_groups.py) have fewer cache tensors than layers: a
+block id is one page of `page_layers` tensors, which every layer group shares. The run of
+blocks is still the adapter's alone (taken from the one pool, never in any group's table),
+so its weights can sit in any of the tensors: layer l goes to tensor l % T (T tensors, T
+dividing the number of layers), and the layers sharing a tensor are packed one after the
+other inside the run, e.g. Gemma 3 (T = 1, 6 layers):
+
+    kv_0[0, b0 : b0+N]  |A layer 0 q ... down|A layer 1 q ... down| ... |A layer 5 ...|..free..|
+
+With T = num_layers (no windowed layer) this is the layout above. Chosen over keeping the
+weights outside the KV pool: the kernels, segment tables and the S-LoRA accounting (one
+budget, idle adapters evicted for KV) stay the same, and the run costs the same bytes as
+without windows (a block is T layers' worth instead of all of them, so it takes
+num_layers / T times as many blocks).
 """
 
 from __future__ import annotations
@@ -46,40 +61,54 @@ class AdapterLayout:
     scales: torch.Tensor  # float32
     # Elements per block the layout was planned for (checked by write_adapter).
     block_elems: int
+    # Cache tensors the layout was planned for; layer l's weights are in `cache_index(l, num_caches)`.
+    num_caches: int
+
+
+def cache_index(layer: int, num_caches: int) -> int:
+    """The cache tensor holding layer `layer`'s adapter weights (see the module docstring)."""
+    return layer % num_caches
 
 
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def plan_layout(adapter: LoRAAdapter, num_layers: int, block_elems: int) -> AdapterLayout:
+def plan_layout(
+    adapter: LoRAAdapter, num_layers: int, block_elems: int, num_caches: int | None = None
+) -> AdapterLayout:
     """Pack every (layer, module) of `adapter` into a run of blocks (see the module docstring).
 
     Args:
-        num_layers: decoder layers of the model (one KV cache tensor each).
+        num_layers: decoder layers of the model.
         block_elems: LoRA-dtype elements in one block of one half of a layer's cache
             (`kernels.block_elems(kv_cache, dtype)`).
+        num_caches: KV cache tensors (None: one per layer); must divide `num_layers`.
     """
+    num_caches = num_layers if num_caches is None else num_caches
+    if num_caches < 1 or num_layers % num_caches:
+        raise ValueError(f"{num_layers} layers cannot share {num_caches} cache tensors evenly")
     shape = (num_layers, len(TARGETABLE))
     a_off = torch.zeros(shape, dtype=torch.int64)
     b_off = torch.zeros(shape, dtype=torch.int64)
     ranks = torch.zeros(shape, dtype=torch.int32)
     scales = torch.zeros(shape, dtype=torch.float32)
-    needed = 1
+    # Per cache tensor: where its next matrix goes in the A and B regions.
+    a_end, b_end = [0] * num_caches, [0] * num_caches
     for layer in range(num_layers):
-        a_end = b_end = 0
+        c = cache_index(layer, num_caches)
         for m, name in enumerate(TARGETABLE):
             w = adapter.weights.get((layer, name))
             if w is None:
                 continue
             (rank, in_dim), out_dim = w.lora_a.shape, w.lora_b.shape[0]
-            a_off[layer, m], b_off[layer, m] = a_end, b_end
+            a_off[layer, m], b_off[layer, m] = a_end[c], b_end[c]
             ranks[layer, m], scales[layer, m] = rank, w.scale
-            a_end += _align(rank * in_dim)
-            b_end += _align(b_region_elems(out_dim, rank))
-        needed = max(needed, a_end, b_end)
+            a_end[c] += _align(rank * in_dim)
+            b_end[c] += _align(b_region_elems(out_dim, rank))
+    needed = max(1, *a_end, *b_end)
     num_blocks = -(-needed // block_elems)
-    return AdapterLayout(num_blocks, a_off, b_off, ranks, scales, block_elems)
+    return AdapterLayout(num_blocks, a_off, b_off, ranks, scales, block_elems, num_caches)
 
 
 def write_adapter(
@@ -95,12 +124,14 @@ def write_adapter(
     kernel never reads it).
 
     Raises:
-        ValueError: the caches' block size in `dtype` differs from the layout's, the run
-            does not fit, or an adapted layer has no cache.
+        ValueError: the caches' block size in `dtype` or their number differs from the
+            layout's, the run does not fit, or an adapted layer is out of range.
     """
+    if len(kv_caches) != layout.num_caches:
+        raise ValueError(f"{len(kv_caches)} cache tensors, layout planned for {layout.num_caches}")
     layers = {layer for layer, _ in adapter.weights}
-    if layers and max(layers) >= len(kv_caches):
-        raise ValueError(f"adapter has layer {max(layers)} but there are {len(kv_caches)} caches")
+    if layers and max(layers) >= layout.ranks.shape[0]:
+        raise ValueError(f"adapter has layer {max(layers)} but the layout has {layout.ranks.shape[0]} layers")
     for layer, kv in enumerate(kv_caches):
         if block_elems(kv, dtype) != layout.block_elems:
             raise ValueError(
@@ -114,7 +145,7 @@ def write_adapter(
             )
     base = first_block * layout.block_elems
     for (layer, name), w in adapter.weights.items():
-        storage_a, storage_b = flat_storage(kv_caches[layer], dtype)
+        storage_a, storage_b = flat_storage(kv_caches[cache_index(layer, layout.num_caches)], dtype)
         m = TARGETABLE.index(name)
         a = w.lora_a.reshape(-1)
         b = pack_lora_b(w.lora_b)

@@ -47,15 +47,18 @@ class LoRAManager:
         block_elems: int,
         write_adapter: WriteAdapter,
         shard: Callable[[LoRAAdapter], LoRAAdapter] | None = None,
+        num_caches: int | None = None,
     ) -> None:
         """`shard`: with tensor parallelism, rank 0's part of an adapter (its layout plans the
         blocks every rank uses: all ranks' shards have the same shapes); `write_adapter` gets
-        the whole adapter and writes each rank's part."""
+        the whole adapter and writes each rank's part. `num_caches`: the KV cache tensors
+        (None: one per layer; fewer with windowed layers, lora/layout.py)."""
         self.config = config
         self.pool = pool
         self.module_dims = module_dims
         self.num_layers = num_layers
         self.block_elems = block_elems
+        self.num_caches = num_caches
         self.write_adapter = write_adapter
         self.shard = shard
         self.registered: dict[int, LoRARequest] = {}
@@ -152,7 +155,7 @@ class LoRAManager:
     def _place(self, lora_id: int) -> bool:
         adapter = self._host[lora_id]
         planned = self.shard(adapter) if self.shard is not None else adapter
-        layout = plan_layout(planned, self.num_layers, self.block_elems)
+        layout = plan_layout(planned, self.num_layers, self.block_elems, self.num_caches)
         if layout.num_blocks > self.pool.num_blocks:
             # Waiting would never help: fail the adapter's requests instead of stalling them.
             self._errors[lora_id] = LoRALoadError(

@@ -16,6 +16,10 @@ fan_in_fan_out is accepted and ignored: it describes the *base* weight's storage
 Conv1D), while lora_A / lora_B are always nn.Linear-shaped, and peft itself resets it to
 False for nn.Linear targets (peft/tuners/lora/layer.py), as every Llama/Qwen2 projection is.
 
+Models whose MLPs take no adapters (Qwen3-MoE: experts and a router; models/qwen3_moe.py)
+pass `module_dims_for(config, modules)` only their attention projections; an adapter that
+adapts anything else is refused naming the module (an MLP, expert or router weight).
+
 Fused projections (Phi-3's `qkv_proj` and `gate_up_proj`, which the model splits at load)
 are split here too: the fused delta scale * B @ A is, row block by row block, scale * B_q @ A,
 scale * B_k @ A, ..., so each part is a LoRA of the same rank sharing A, exactly.
@@ -27,7 +31,7 @@ import json
 import math
 import pathlib
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +58,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "modules_to_save": (bool, "modules_to_save (fully trained extra modules) is not supported"),
     "lora_bias": (bool, "lora_bias=true is not supported"),
     "layer_replication": (bool, "layer_replication is not supported"),
-    "target_parameters": (bool, "target_parameters (LoRA on raw parameters) is not supported"),
     "trainable_token_indices": (bool, "trainable_token_indices is not supported"),
     "use_qalora": (bool, "QALoRA (use_qalora=true) is not supported"),
     "alora_invocation_tokens": (bool, "activated LoRA (alora_invocation_tokens) is not supported"),
@@ -88,13 +91,14 @@ class LoRAAdapter:
 Fail = Callable[[str], LoRALoadError]
 
 
-def module_dims_for(config: Any) -> dict[str, tuple[int, int]]:
-    """(in_dim, out_dim) of every targetable projection of a Llama-style HF config."""
+def module_dims_for(config: Any, modules: Sequence[str] = TARGETABLE) -> dict[str, tuple[int, int]]:
+    """(in_dim, out_dim) of the projections of a Llama-style HF config that take adapters:
+    `modules` of TARGETABLE (the model's `lora_targets`, lora/layers.py)."""
     hidden, inter = config.hidden_size, config.intermediate_size
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    return {
+    dims = {
         "q_proj": (hidden, heads * head_dim),
         "k_proj": (hidden, kv_heads * head_dim),
         "v_proj": (hidden, kv_heads * head_dim),
@@ -103,6 +107,7 @@ def module_dims_for(config: Any) -> dict[str, tuple[int, int]]:
         "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
     }
+    return {name: dims[name] for name in TARGETABLE if name in modules}
 
 
 def load_peft_adapter(
@@ -136,7 +141,7 @@ def load_peft_adapter(
     files = _AdapterFiles(pathlib.Path(request.lora_path), confine_to, fail)
     try:
         config = _read_config(files, fail)
-        _check_config(config, fail)
+        _check_config(config, tuple(module_dims), fail)
         tensors = _read_tensors(files, fail)
     except (OSError, ValueError) as exc:  # a name too long, a NUL byte, no permission ...
         if isinstance(exc, LoRALoadError):
@@ -198,13 +203,18 @@ def _read_config(files: _AdapterFiles, fail: Fail) -> dict[str, Any]:
     return config
 
 
-def _check_config(config: dict[str, Any], fail: Fail) -> None:
+def _check_config(config: dict[str, Any], adaptable: tuple[str, ...], fail: Fail) -> None:
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise fail(f"peft_type {peft_type!r} is not supported (only LORA)")
     for key, (in_use, message) in _REFUSED.items():
         if in_use(config.get(key)):
             raise fail(message)
+    # transformers 5 stores MoE experts and routers as raw parameters, which PEFT adapts here
+    # (it turns target_modules=["down_proj"] on Qwen3-MoE into target_parameters ["down_proj"]).
+    if config.get("target_parameters"):
+        raise fail(f"target_parameters {config['target_parameters']!r} is not supported (LoRA on raw "
+                   f"parameters, such as MoE experts and routers); adapters may target {', '.join(adaptable)}")
     bias = config.get("bias", "none")
     if bias != "none":
         raise fail(f"bias={bias!r} is not supported (only bias='none')")
@@ -216,10 +226,15 @@ def _check_config(config: dict[str, Any], fail: Fail) -> None:
     for key in ("rank_pattern", "alpha_pattern"):
         if not isinstance(config.get(key) or {}, dict):
             raise fail(f"invalid {key} in {_CONFIG} (expected an object)")
-    _check_targets(config.get("target_modules"), fail)
+    _check_targets(config.get("target_modules"), adaptable, fail)
 
 
-def _check_targets(targets: Any, fail: Fail) -> None:
+def _not_adaptable(module: str, adaptable: tuple[str, ...]) -> str:
+    return (f"{module} is not a projection this model takes adapters on (an MLP, expert or router "
+            f"weight?); it takes them on {', '.join(adaptable)} only")
+
+
+def _check_targets(targets: Any, adaptable: tuple[str, ...], fail: Fail) -> None:
     """target_modules: a list of (suffixes of) module names, a regex, or "all-linear"."""
     if isinstance(targets, str):
         if targets.lower() == "all-linear":
@@ -238,9 +253,12 @@ def _check_targets(targets: Any, fail: Fail) -> None:
         last = str(target).rsplit(".", 1)[-1]
         if last in _EMBEDDINGS:
             raise fail(f"embedding / lm_head LoRA is not supported (target_modules has {target!r})")
-        if last not in TARGETABLE and last not in FUSED_TARGETS:
-            raise fail(f"target module {target!r} is not supported (targetable: {', '.join(TARGETABLE)}, "
-                       f"or fused {', '.join(FUSED_TARGETS)})")
+        parts = FUSED_TARGETS.get(last, (last,))
+        if any(part in TARGETABLE and part not in adaptable for part in parts):
+            raise fail(f"target module {target!r}: " + _not_adaptable(str(target), adaptable))
+        if parts[0] not in TARGETABLE:
+            fused = [name for name, fused_parts in FUSED_TARGETS.items() if set(fused_parts) <= set(adaptable)]
+            raise fail(f"target module {target!r} is not supported (targetable: {', '.join(adaptable + tuple(fused))})")
 
 
 def _read_tensors(files: _AdapterFiles, fail: Fail) -> dict[str, torch.Tensor]:
@@ -298,6 +316,10 @@ def _locate(
         raise fail(f"embedding / lm_head LoRA is not supported ({key})")
     match = _MODULE_RE.match(key)
     parts = FUSED_TARGETS.get(name, (name,))
+    adaptable = tuple(module_dims)
+    if ".mlp." in key and not any(PARENT_MODULE[m] == "mlp" for m in adaptable):
+        # Experts (`mlp.experts.E.gate_proj`), the router (`mlp.gate`) or a dense layer's MLP.
+        raise fail(_not_adaptable(key, adaptable))
     if match is None or parts[0] not in TARGETABLE or PARENT_MODULE[parts[0]] != match["parent"]:
         raise fail(f"unsupported LoRA target {key!r} (targetable: {', '.join(TARGETABLE)}, "
                    f"or fused {', '.join(FUSED_TARGETS)})")

@@ -10,8 +10,10 @@ A GGUF file stores each layer's experts stacked, (E, I, hidden) / (E, hidden, I)
 names them `mlp.experts.{gate,up,down}_proj.weight` and `split_checkpoint_tensor` cuts them
 into the per-expert tensors a Hugging Face checkpoint has.
 
-LoRA: the wrappers (lora/layers.py) know one dense MLP per layer; adapters on experts are
-not supported, and a sparse layer refuses to be wrapped (`gate_up_proj` below).
+LoRA: on the attention projections only (`lora_targets`). The wrappers (lora/layers.py) and
+the adapter layout know one dense MLP per layer, not experts; an adapter on experts, the
+router or an MLP (the dense layers' too, for one rule per model) is refused at load naming
+the module (lora/peft_loader.py).
 """
 
 from __future__ import annotations
@@ -53,16 +55,6 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         weights, ids = self.gate(hidden)
         return self.experts(hidden, weights, ids)
 
-    @property
-    def gate_up_proj(self) -> nn.Module:
-        # wrap_model_for_lora reaches for every layer's `mlp.gate_up_proj`; a sparse layer has
-        # one per expert, which no adapter layout covers. A ValueError (not AttributeError,
-        # which nn.Module and hasattr would swallow) names the reason at engine start.
-        raise ValueError(
-            "enable_lora: LoRA is not supported on Qwen3MoeForCausalLM (its sparse layers' "
-            "experts take no adapters); serve it without enable_lora"
-        )
-
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
     def __init__(
@@ -80,6 +72,8 @@ class Qwen3MoeModel(Qwen3Model):
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     model_cls = Qwen3MoeModel
+    # The projections LoRA adapters may target (lora/layers.py `lora_targets`).
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     @classmethod
     def check_config(cls, config: PretrainedConfig) -> None:

@@ -35,7 +35,7 @@ from pagedserve.core.kv_groups import KVGroupPlan, plan_kv_groups
 from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.distributed.parallel_state import SINGLE
 from pagedserve.lora.kernels import block_elems
-from pagedserve.lora.layers import lora_step, wrap_model_for_lora
+from pagedserve.lora.layers import bind_lora_layers, lora_step, wrap_model_for_lora
 from pagedserve.lora.layout import AdapterLayout, write_adapter
 from pagedserve.lora.peft_loader import TARGETABLE, LoRAAdapter
 from pagedserve.lora.segments import LoRASegments, ResidentAdapter, build_segments
@@ -246,17 +246,17 @@ class ModelRunner:
             return
         for layer, cache in zip(self.attn_layers, self.kv_caches, strict=True):
             layer.kv_cache = cache
-        for wrapper in self.lora_layers:
-            wrapper.bind(self.kv_caches[wrapper.layer_idx], self.lora_dtype)
+        if self.lora_dtype is not None:
+            bind_lora_layers(self.lora_layers, self.kv_caches, self.lora_dtype)
         if self.decoder_loop is not None:
             self.decoder_loop.bind(self.kv_caches)
 
     def _bind_grouped_caches(self) -> None:
         """Windowed layers: layer i of every KV group shares cache tensor i; each layer gets
         its own view, whose identity tells the grouped backend the layer's group."""
-        if self.lora_layers:
-            raise ValueError("LoRA is not supported for models with sliding-window layers "
-                             "(adapters live in per-layer KV blocks, which these layers share)")
+        if self.lora_dtype is not None:
+            # Adapter runs are the pool's blocks in no group's table (lora/layout.py).
+            bind_lora_layers(self.lora_layers, self.kv_caches, self.lora_dtype)
         cache_groups: dict[int, int] = {}
         for index, layer in enumerate(self.attn_layers):
             group, slot = self.kv_groups.placement(index)

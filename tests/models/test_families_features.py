@@ -9,7 +9,7 @@ tests/engine/test_sliding_window.py; here:
   * speculative decoding, n-gram lookup and a draft model (a noisy copy: rejections roll the
     windowed groups' blocks back too) vs transformers' greedy;
   * LoRA (PEFT adapters on every linear layer; Phi-3's fused qkv_proj / gate_up_proj as PEFT
-    targets them) vs PEFT's greedy; refused on windowed models (Gemma 2/3) naming why;
+    targets them) vs PEFT's greedy; on windowed models in tests/lora/test_lora_windowed.py;
   * tensor parallelism, two ranks (slow: worker processes) vs transformers' greedy;
   * structured outputs (a regex) vs transformers' greedy restricted, token by token, to the
     tokens that keep the text a prefix of the regex's language (the `regex` module's
@@ -183,13 +183,6 @@ def test_lora_matches_peft(root: Path, name: str) -> None:
                            lora_request=[lora, lora, None, None])
     assert token_ids(outputs) == expected + [greedy(base, p) for p in ps]
     llm.llm_engine.assert_no_leaks()
-
-
-def test_lora_on_windowed_layers_is_refused_naming_it(root: Path) -> None:
-    """Adapters live in per-layer KV blocks, which the windowed layer groups share: refused at
-    start-up, not a wrong answer later."""
-    with pytest.raises(ValueError, match="LoRA is not supported for models with sliding-window layers"):
-        LLM(str(checkpoint(root, "gemma3")), enable_lora=True, max_lora_rank=8, **ENGINE)
 
 
 # ---- tensor parallelism --------------------------------------------------------------------

@@ -11,8 +11,8 @@ class. Oracles:
   * a GGUF file the test writes as llama.cpp stores qwen3moe (stacked ffn_*_exps) vs
     transformers on the HF folder;
   * int8 / int4 experts (per expert): transformers on the weights the quantized layers use.
-LoRA is refused with a message naming it; two tensor-parallel ranks give transformers' tokens
-(slow: worker processes).
+LoRA (attention adapters only) is tested in tests/lora/test_lora_moe.py; two tensor-parallel
+ranks give transformers' tokens (slow: worker processes).
 """
 
 from __future__ import annotations
@@ -124,12 +124,6 @@ def test_engine_greedy_matches_hf(root: Path) -> None:
         assert [o.outputs[0].token_ids for o in outputs] == expected, f"round {round_}"
     assert any(o.num_cached_tokens > 0 for o in outputs)
     llm.llm_engine.assert_no_leaks()
-
-
-def test_lora_refused_naming_it(root: Path) -> None:
-    with pytest.raises(ValueError, match="LoRA is not supported on Qwen3MoeForCausalLM"):
-        LLM(str(_checkpoint("moe", root)), max_model_len=64, block_size=8,
-            kv_cache_memory_bytes=4 << 20, skip_tokenizer_init=True, enable_lora=True)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
