@@ -9,7 +9,7 @@
 
 Use, per step and per LoRA-wrapped projection (layer l, module m = TARGETABLE.index(name)):
 
-    storage_a, storage_b = flat_storage(kv_caches[l], dtype)      # once at start-up, zero-copy
+    storage_a, storage_b = flat_storage(kv_caches[cache_index(l, len(kv_caches))], dtype)  # once, zero-copy
     segments = build_segments(runs, num_layers, len(TARGETABLE))  # once per step (runner)
     y = base_layer(x)                                             # e.g. (T, q + 2 kv) fused
     slices = table_slices(l, [(m_q, 0, q), (m_k, q, q + kv), (m_v, q + kv, q + 2 * kv)])
