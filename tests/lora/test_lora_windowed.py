@@ -109,15 +109,19 @@ def case(checkpoint: Path) -> tuple[list[list[int]], list[LoRARequest | None], l
 
 
 def run(llm: LLM, prompts: list[list[int]], chosen: list[LoRARequest | None]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in generate(llm, prompts, chosen)]
+
+
+def generate(llm: LLM, prompts: list[list[int]], chosen: list[LoRARequest | None]) -> list:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=chosen)
-    return [o.outputs[0].token_ids for o in outputs]
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=chosen)
 
 
 def test_mixed_adapters_in_one_batch_equal_peft(checkpoint: Path, case) -> None:
     prompts, chosen, expected = case
     llm = LLM(str(checkpoint), enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=128,
-              block_size=BLOCK, num_gpu_blocks_override=1200, max_num_batched_tokens=64, skip_tokenizer_init=True)
+              block_size=BLOCK, num_gpu_blocks_override=1200, max_num_batched_tokens=64, skip_tokenizer_init=True,
+              enable_prefix_caching=True)
     engine = llm.llm_engine
     kv = engine.kv_manager
     assert isinstance(kv, HybridKVCacheManager)
@@ -137,6 +141,11 @@ def test_mixed_adapters_in_one_batch_equal_peft(checkpoint: Path, case) -> None:
     assert slid > 0
     lora_manager = engine.lora_manager
     assert lora_manager is not None and sorted(lora_manager.resident_ids()) == [1, 2]
+    engine.assert_no_leaks()
+    # Again, from the prefix cache (each adapter's own hash chain): the same tokens.
+    outputs = generate(llm, prompts, chosen)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(o.num_cached_tokens > 0 for o in outputs)
     engine.assert_no_leaks()
 
 
