@@ -58,10 +58,11 @@ class QuantizationConfig:
             a tied head gets its own quantized copy). With "gguf" the head becomes group-wise
             int8 in blocks of 32 from its loaded values: exactly the file's numbers when the
             file stores it (or the tied token embedding) as Q8_0, as llama.cpp serves it.
-        activations: group-wise int8 only: "int8" rounds a decode step's activations to
-            int8 per block of 32 (the `gemv_int8_q8` kernel; W8A8 dynamic), "none" keeps them
-            float (weight-only); "auto": quantization.DEFAULT_INT8_ACTIVATIONS. Prefill steps
-            round x the same way before their GEMM; layers the kernel cannot take stay weight-only.
+        activations: group-wise int8 and gguf: "int8" rounds the activations to int8 per
+            block of 32 (the `gemv_int8_q8` / `gemv_bits_q8` kernels; W8A8 dynamic, as
+            llama.cpp multiplies its quantized types), "none" keeps them float (weight-only);
+            "auto": quantization.DEFAULT_INT8_ACTIVATIONS / DEFAULT_GGUF_ACTIVATIONS. Prefill
+            steps round x the same way; layers the kernels cannot take stay weight-only.
     """
 
     method: str
@@ -81,8 +82,9 @@ class QuantizationConfig:
         if self.activations not in QUANTIZATION_ACTIVATIONS:
             raise ValueError(f"quantization_activations must be one of {', '.join(QUANTIZATION_ACTIVATIONS)}, "
                              f"got {self.activations!r}")
-        if self.activations == "int8" and (self.method != "int8" or self.group_size == PER_CHANNEL):
-            raise ValueError("quantization_activations='int8' applies to group-wise quantization='int8' only")
+        if self.activations == "int8" and (self.method not in ("int8", "gguf") or self.group_size == PER_CHANNEL):
+            raise ValueError("quantization_activations applies to group-wise quantization='int8' and to "
+                             "quantization='gguf' only")
         allowed = GROUP_SIZES + ((PER_CHANNEL,) if self.method == "int8" else ())
         if self.group_size is not None and self.group_size not in allowed:
             raise ValueError(
@@ -119,7 +121,7 @@ class ModelConfig:
     quantization: str | None = None
     quantization_group_size: int | None = None  # None: the method's default (32)
     quantize_lm_head: bool = False
-    quantization_activations: str = "auto"  # group-wise int8: "int8" | "none" | "auto" (default)
+    quantization_activations: str = "auto"  # group-wise int8 / gguf: "int8" | "none" | "auto" (default)
     # Hub ids: the revision (branch, tag or commit) and the cache folder (default HF_HUB_CACHE).
     revision: str | None = None
     download_dir: str | None = None
@@ -133,6 +135,9 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPE_ALIASES)}; got {self.dtype!r}")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head=True needs quantization='int8', 'int4' or 'gguf'")
+        if self.quantization_activations != "auto" and self.quantization is None:
+            raise ValueError("quantization_activations needs quantization='int8' (group-wise) or 'gguf' "
+                             "(a quantized .gguf file: quantization='gguf' chooses its activations)")
 
     def quant_config(self) -> QuantizationConfig | None:
         if self.quantization is None:

@@ -190,9 +190,9 @@ class EngineArgs:
         "also quantize the LM head (embeddings stay full precision); with gguf: int8 blocks of 32, "
         "the file's own numbers when it stores the head as Q8_0", vllm="pagedserve only"))
     quantization_activations: str = field(default=_default(ModelConfig, "quantization_activations"), metadata=_setting(
-        "int8 (group-wise) only: int8 rounds each decode step's activations to int8 per block of "
-        "32 (scale absmax / 127, like llama.cpp's q8_0 x q8_0 dot; W8A8 dynamic); none keeps them "
-        "float (weight-only, W8A16); auto: pagedserve's default (none)",
+        "int8 (group-wise) and gguf: int8 rounds the activations to int8 per block of 32 (scale "
+        "absmax / 127, as llama.cpp multiplies its quantized types; W8A8 dynamic); none keeps them "
+        "float (weight-only); auto: pagedserve's default (int8: none; gguf: int8)",
         choices=QUANTIZATION_ACTIVATIONS, vllm="pagedserve only"))
 
     block_size: int = field(default=_default(CacheConfig, "block_size"), metadata=_setting("tokens per KV cache block"))

@@ -50,8 +50,9 @@ constexpr const char* kLinearOps[] = {
     "aten::linear",                        // 4: (x, w, bias?)
     "mkldnn::_linear_pointwise",           // 5: (x, packed w, bias?), attr "none", as packed.py calls it
     "aten::linear",                        // 6: (x, w, bias?) all widened to float32, y back in x's dtype
+    "pagedserve_gemv::gemv_bits_q8",       // 7: (x, q, params, bias?)
 };
-constexpr int kNumLinearOps = 7;
+constexpr int kNumLinearOps = 8;
 constexpr int kLinearsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
 constexpr int kLayoutPerLinear = 5;  // small op, count, large op, count, chunk rows
 
@@ -70,6 +71,7 @@ struct Ops {
   c10::OperatorHandle onednn = c10::Dispatcher::singleton().findSchemaOrThrow(kLinearOps[5], "");
   std::array<c10::TypedOperatorHandle<Scaled>, 3> scaled = {
       find_op<Scaled>(kLinearOps[1]), find_op<Scaled>(kLinearOps[2]), find_op<Scaled>(kLinearOps[3])};
+  c10::TypedOperatorHandle<Scaled> bits_q8 = find_op<Scaled>(kLinearOps[7]);
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm =
       find_op<Tensor(const Tensor&, const Tensor&, double)>("pagedserve_fused::rms_norm");
   c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>
@@ -113,7 +115,7 @@ Tensor run_chunked(const Ops& o, const Linear& l, const Tensor& x) {
 
 Tensor run_linear(const Ops& o, const Linear& l, const Tensor& x) {
   if (l.chunk > 0 && x.size(0) > l.chunk) return run_chunked(o, l, x);
-  const bool two_operands = l.op == 0 || l.op >= 4;  // (x, w) vs (x, q, scale)
+  const bool two_operands = l.op == 0 || (l.op >= 4 && l.op <= 6);  // (x, w) vs (x, q, scale)
   const bool has_bias = l.count == (two_operands ? 2 : 3);
   const OptTensor bias = has_bias ? OptTensor(l.args[l.count - 1]) : std::nullopt;
   switch (l.op) {
@@ -130,6 +132,7 @@ Tensor run_linear(const Ops& o, const Linear& l, const Tensor& x) {
       o.onednn.callBoxed(stack);
       return stack[0].toTensor();
     }
+    case 7: return o.bits_q8.call(x, l.args[0], l.args[1], bias);
     default: return o.scaled[l.op - 1].call(x, l.args[0], l.args[1], bias);
   }
 }

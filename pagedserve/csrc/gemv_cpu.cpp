@@ -61,6 +61,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "pagedserve_common.h"
@@ -1035,12 +1036,235 @@ void int4_grouped_run(const at::Tensor& xf, const at::Tensor& q, const at::Tenso
   });
 }
 
+// ---- 4 / 5 / 6-bit weights x int8 activations ("bit quads": llama.cpp's K-quant x q8_K) -----
+//
+// The channel tiles above widen every weight to float32 and spend two FMAs per weight and row:
+// a batch-1 decode step of a K-quant file ran at ~half the machine's weight-read rate, bound by
+// those instructions, not by memory. Here, as in llama.cpp, x is rounded to int8 per block of 32
+// (`quantize_rows_q8`) and the weights stay integers: an int32 lane sums 4 products of one
+// channel's 4 consecutive k (vpdpbusd, or maddubs + madd on AVX2), 128 weights per 64-byte
+// load, and the float work is one multiply-add per group of 16 / 32 k and channel.
+//
+// Layout, q (N/16, K/32, B) uint8, per tile and block of 32 k:
+//   nibbles, 256 bytes: per octet o (k 8o .. 8o+7 of the block) and half h (channels 8h .. 8h+7),
+//     32 bytes: byte 4 j + e = (Q[8h+j, 8o+e] & 15) | (Q[8h+j, 8o+4+e] & 15) << 4, so a 32-byte
+//     vector masked is 8 channels x k 8o..8o+3 (one int32 lane a channel), shifted 8o+4..8o+7;
+//   5 bits (B = 320): then per half 32 bytes, byte 4 j + e: bit 2 o = Q[8h+j, 8o+e] >> 4,
+//     bit 2 o + 1 = Q[8h+j, 8o+4+e] >> 4 (the 4 octets);
+//   6 bits (B = 384): then per octet pair P (octets 2P, 2P+1) and half 32 bytes, byte 4 j + e:
+//     2-bit fields Q >> 4 of (8(2P)+e, 8(2P)+4+e, 8(2P+1)+e, 8(2P+1)+4+e) at bits 0, 2, 4, 6.
+// The same bytes a weight as the channel tiles (8 / 10 / 12 a k and tile): no requantizing, the
+// file's values; `gemv.pack_bit_quads` writes it. Parameters: every form `with_bits_params`
+// takes, groups of 16 or 32 k (a group never spans two activation blocks).
+//
+// Arithmetic: W = q s + l0 per group (centered forms: l0 = -center s), x ~ d xq per block:
+//   y = sum_g (s * d) * sum_k q xq + l0 * (d * sum_k xq)   (+ bias)
+// the integer sums exact; i.e. the exact product of the file's weights with the rounded x.
+// Unsigned weights (0 .. 63) times signed x (-127 .. 127): AVX2's maddubs adds two products in
+// int16 (<= 2 * 63 * 127), and two such sums still fit (<= 32004) before widening.
+
+// The 32-byte half-vectors of octet o: weights of k 8o..8o+3 (lo) and 8o+4..8o+7 (hi).
+template <int Bits>
+struct BitQuads {
+  static constexpr int64_t kBlockBytes = 256 + (Bits - 4) * 64;
+  static inline __m256i ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  // o: octet 0..3 of the block at `blk`; h: half.
+  template <int O>
+  static inline void get(const uint8_t* blk, int h, __m256i& lo, __m256i& hi) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i n = ld(blk + O * 64 + h * 32);
+    lo = _mm256_and_si256(n, m4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(n, 4), m4);
+    if constexpr (Bits == 5) {
+      const __m256i hb = ld(blk + 256 + h * 32), bit = _mm256_set1_epi8(16);
+      // bit 2 O -> bit 4, bit 2 O + 1 -> bit 4, all inside the byte (16-bit shifts, masked)
+      lo = _mm256_or_si256(lo, _mm256_and_si256(shift<4 - 2 * O>(hb), bit));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(shift<3 - 2 * O>(hb), bit));
+    } else if constexpr (Bits == 6) {
+      const __m256i hb = ld(blk + 256 + (O / 2) * 64 + h * 32), two = _mm256_set1_epi8(0x30);
+      lo = _mm256_or_si256(lo, _mm256_and_si256(shift<4 - 4 * (O % 2)>(hb), two));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(shift<2 - 4 * (O % 2)>(hb), two));
+    }
+  }
+  template <int S>
+  static inline __m256i shift(__m256i v) {
+    if constexpr (S > 0) return _mm256_slli_epi16(v, S);
+    else if constexpr (S < 0) return _mm256_srli_epi16(v, -S);
+    else return v;
+  }
+};
+
+// acc (int32 x 8) += per lane the 4 products of w's unsigned bytes and x's signed bytes.
+inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+#if PAGEDSERVE_Q8_VNNI
+  return _mm256_dpbusd_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+// acc += the products of (w0, x0) and (w1, x1): on AVX2 the two int16 pair sums add before
+// widening (one madd for 64 products; see the bound above).
+inline __m256i dot4x2(__m256i acc, __m256i w0, __m256i x0, __m256i w1, __m256i x1) {
+#if PAGEDSERVE_Q8_VNNI
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, w0, x0), w1, x1);
+#else
+  const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+#endif
+}
+
+// Row block of MT rows (xq rows K apart) times tile t over one group of G8 octets (G8 = 2 or 4)
+// starting at octet `o0` of block `blk`: the int32 sums per row and channel (acc[i][half]).
+template <int Bits, int MT, int G8, int O0>
+inline void quad_group(const uint8_t* blk, const int8_t* xq, int64_t K, __m256i (*acc)[2]) {
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+  auto octet = [&](auto oc) {
+    constexpr int O = decltype(oc)::value;
+    __m256i lo0, hi0, lo1, hi1;
+    BitQuads<Bits>::template get<O>(blk, 0, lo0, hi0);
+    BitQuads<Bits>::template get<O>(blk, 1, lo1, hi1);
+    PAGEDSERVE_UNROLL
+    for (int i = 0; i < MT; ++i) {
+      int32_t a, b;
+      std::memcpy(&a, xq + i * K + 8 * O, 4);
+      std::memcpy(&b, xq + i * K + 8 * O + 4, 4);
+      const __m256i xa = _mm256_set1_epi32(a), xb = _mm256_set1_epi32(b);
+      acc[i][0] = dot4x2(acc[i][0], lo0, xa, hi0, xb);
+      acc[i][1] = dot4x2(acc[i][1], lo1, xa, hi1, xb);
+    }
+  };
+  octet(std::integral_constant<int, O0>{});
+  octet(std::integral_constant<int, O0 + 1>{});
+  if constexpr (G8 == 4) {
+    octet(std::integral_constant<int, O0 + 2>{});
+    octet(std::integral_constant<int, O0 + 3>{});
+  }
+}
+
+// tot[i] (16 floats a row) += acc * (s * d_i) + l0 * xs_i for a group's parameters.
+template <int MT>
+inline void quad_fold(float* tot, __m256i (*acc)[2], const float* d, int64_t ldd, const float* xs, int64_t ldxs,
+                      __m256 s0, __m256 s1, __m256 l0, __m256 l1) {
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < MT; ++i) {
+    const __m256 dv = _mm256_set1_ps(d[i * ldd]), xv = _mm256_set1_ps(xs[i * ldxs]);
+    float* o = tot + i * kTile;
+    __m256 v0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][0]), _mm256_mul_ps(s0, dv), _mm256_loadu_ps(o));
+    __m256 v1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][1]), _mm256_mul_ps(s1, dv), _mm256_loadu_ps(o + 8));
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(l0, xv, v0));
+    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(l1, xv, v1));
+  }
+}
+
+// MT rows times tile t (all K): tot[i * 16 + j]. `group`: 16 or 32.
+template <int Bits, int MT, class Params>
+inline void quad_tile_rows(const uint8_t* qt, const int8_t* xq, const float* dx, const float* xs, int64_t K,
+                           int64_t group, const Params& params, int64_t t, float* tot, bool prefetch,
+                           const NextTile& next) {
+  constexpr int64_t kB = BitQuads<Bits>::kBlockBytes;
+  const int64_t nb = K / 32, groups = K / group;
+  __m256i acc[MT][2];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = qt + b * kB;
+    if (prefetch) prefetch_ahead(blk, kB);
+    next.at(b);
+    const int8_t* xb = xq + b * 32;
+    __m256 s0, s1, l0, l1;
+    if (group == 32) {
+      quad_group<Bits, MT, 4, 0>(blk, xb, K, acc);
+      params(t, b, s0, s1, l0, l1);
+      quad_fold<MT>(tot, acc, dx + b, nb, xs + b, groups, s0, s1, l0, l1);
+    } else {
+      quad_group<Bits, MT, 2, 0>(blk, xb, K, acc);
+      params(t, 2 * b, s0, s1, l0, l1);
+      quad_fold<MT>(tot, acc, dx + b, nb, xs + 2 * b, groups, s0, s1, l0, l1);
+      quad_group<Bits, MT, 2, 2>(blk, xb, K, acc);
+      params(t, 2 * b + 1, s0, s1, l0, l1);
+      quad_fold<MT>(tot, acc, dx + b, nb, xs + 2 * b + 1, groups, s0, s1, l0, l1);
+    }
+  }
+}
+
+// Rows per register block: 4 on AVX2 (8 accumulators + 4 weight vectors + 2 broadcasts of the
+// 16 registers); AVX-512VL's 32 registers take 8.
+#if defined(__AVX512VL__)
+constexpr int kQuadRows = 8;
+#else
+constexpr int kQuadRows = 4;
+#endif
+
+template <int Bits, class Params>
+void bits_q8_impl(const at::Tensor& xf, const at::Tensor& q, int64_t groups, const Params& params, const float* bias,
+                  at::Tensor& y) {
+  const int64_t M = xf.size(0), K = xf.size(1), tiles = q.size(0), N = tiles * kTile, group = K / groups;
+  const int64_t nb = K / 32;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * nb), xs(M * groups);
+  quantize_rows_q8(xf.data_ptr<float>(), M, K, xq.data(), dx.data());
+  // d * (the group's sum of xq): what the group's level 0 multiplies (exact integer sums)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t s = 0;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xq[m * K + k];
+      xs[m * groups + g] = static_cast<float>(s) * dx[m * nb + (g * group) / 32];
+    }
+  const uint8_t* qd = q.data_ptr<uint8_t>();
+  const int64_t tile_bytes = nb * BitQuads<Bits>::kBlockBytes;
+  const TileOut out(y, bias, N);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{32} << 10) / tile_bytes);
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> tot(M * kTile);
+    for (int64_t t = t0; t < t1; ++t) {
+      std::fill(tot.begin(), tot.end(), 0.0f);
+      const uint8_t* qt = qd + t * tile_bytes;
+      const Params tile_params = params.local();
+      const int64_t blocks = (M + kQuadRows - 1) / kQuadRows;
+      for (int64_t m = 0, block = 0; m < M; m += kQuadRows, ++block) {
+        const NextTile next = NextTile::share(qt + tile_bytes, tile_bytes, nb, block, blocks);
+        const int8_t* xm = xq.data() + m * K;
+        const float* dm = dx.data() + m * nb;
+        const float* sm = xs.data() + m * groups;
+        float* o = tot.data() + m * kTile;
+        const bool first = block == 0;
+        auto run = [&](auto rows) {
+          quad_tile_rows<Bits, decltype(rows)::value>(qt, xm, dm, sm, K, group, tile_params, t, o, first, next);
+        };
+        switch (std::min<int64_t>(kQuadRows, M - m)) {
+#if defined(__AVX512VL__)
+          case 8: run(std::integral_constant<int, 8>{}); break;
+          case 7: run(std::integral_constant<int, 7>{}); break;
+          case 6: run(std::integral_constant<int, 6>{}); break;
+          case 5: run(std::integral_constant<int, 5>{}); break;
+#endif
+          case 4: run(std::integral_constant<int, 4>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          default: run(std::integral_constant<int, 1>{}); break;
+        }
+      }
+      out.store(tot.data(), M, t);
+    }
+  });
+}
+
+void bits_q8_run(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& sz, int bits, const float* bias,
+                 at::Tensor& y) {
+  const int64_t K = xf.size(1);
+  with_bits_params(sz, K, bits, [&](const auto& params, int64_t groups) {
+    if (bits == 4) bits_q8_impl<4>(xf, q, groups, params, bias, y);
+    else if (bits == 5) bits_q8_impl<5>(xf, q, groups, params, bias, y);
+    else bits_q8_impl<6>(xf, q, groups, params, bias, y);
+  });
+}
+
 #else  // no AVX2: the kernels are never reached (run_grouped refuses first); these keep the ops compiling
 
 template <class Param, bool Affine>
 void int8_grouped_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&) {}
 void int4_grouped_run(const at::Tensor&, const at::Tensor&, const at::Tensor&, int, const float*, at::Tensor&) {}
 void int8_q8_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&) {}
+void bits_q8_run(const at::Tensor&, const at::Tensor&, const at::Tensor&, int, const float*, at::Tensor&) {}
 
 #endif  // PAGEDSERVE_AVX2
 
@@ -1253,6 +1477,48 @@ at::Tensor gemv_int4_grouped(const at::Tensor& x_in, const at::Tensor& q, const 
   });
 }
 
+// 4 / 5 / 6-bit bit quads x int8 activations (bits_q8_impl): q (N/16, K/32, 256 / 320 / 384)
+// uint8, parameters as gemv_int4_grouped's 5- / 6-bit forms (groups of 16 or 32 k). Any number
+// of rows: a prefill's many rows reuse each unpacked weight vector kQuadRows times, so the
+// op serves prefill as well as decode steps.
+at::Tensor gemv_bits_q8(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& params,
+                        const c10::optional<at::Tensor>& bias) {
+  const char* op = "gemv_bits_q8";
+  TORCH_CHECK(x_in.dim() >= 1, op, ": x must have a last (K) dimension");
+  const at::Tensor x = x_in.reshape({-1, x_in.size(-1)}).contiguous();
+  const int64_t K = x.size(1), B = q.dim() == 3 ? q.size(2) : 0;
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && (B == 256 || B == 320 || B == 384) &&
+                  K % 32 == 0 && q.size(1) * 32 == K,
+              op, ": q must be contiguous uint8 bit quads (N/16, K/32, 256 / 320 / 384) with K = x.size(-1)");
+  const int bits = static_cast<int>(4 + (B - 256) / 64);
+  const auto kind = params.scalar_type();
+  check_x_scales_bias(x, q.size(0), params, bias, op, 16);
+  if (kind == at::kByte) {
+    check_bits_superblocks(K, q.size(0), params, op);
+    const int64_t PB = params.size(2);
+    const bool affine = PB >= 112 && (PB - 80) % 32 == 0;
+    const int64_t G = affine ? (PB - 80) / 32 : (PB - 32) / 16;
+    TORCH_CHECK(G == 8 || G == 16, op, ": super-block parameters need groups of 32 or 16 k");
+  } else {
+    const int64_t group = K / params.size(1);
+    TORCH_CHECK(group == 16 || group == 32, op, ": groups of 16 or 32 k, got ", group);
+    const bool centered = params.dim() == 3;
+    TORCH_CHECK(centered ? (kind == at::kHalf || kind == at::kFloat) && params.size(2) == kTile
+                         : (kind == at::kHalf || kind == at::kFloat || (kind == at::kBFloat16 && bits == 4)) &&
+                               params.dim() == 4 && params.size(2) == 2 && params.size(3) == kTile,
+                op, ": parameters as gemv_int4_grouped's (pairs, centered scales or super-block bytes)");
+  }
+  at::Tensor y = at::empty(out_shape(x_in, q.size(0) * kTile), x.options());
+#if defined(PAGEDSERVE_AVX2)
+  if (x.size(0) == 0) return y;
+  at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  bits_q8_run(x_as_float(x, false).contiguous(), q, params, bits, bf.defined() ? bf.data_ptr<float>() : nullptr, y);
+#else
+  TORCH_CHECK(false, op, ": this build has no AVX2/FMA support");
+#endif
+  return y;
+}
+
 // W^T (K, N) float32 of the GEMV ops' channel tiles: int8 (N/16, K, 16) with float16 scales or
 // float32 (s, l0) pairs; uint8 4 / 5 / 6-bit tiles with (d, m) / (s, l0) pairs or centered scales.
 at::Tensor gemv_dequant_tiles(const at::Tensor& q, const at::Tensor& sz) {
@@ -1316,6 +1582,7 @@ TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
   m.def("gemv_int8_grouped(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
   m.def("gemv_int4_grouped(Tensor x, Tensor q, Tensor scales_zeros, Tensor? bias) -> Tensor");
   m.def("gemv_int8_q8(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("gemv_bits_q8(Tensor x, Tensor q, Tensor params, Tensor? bias) -> Tensor");
   m.def("gemv_dequant_tiles(Tensor q, Tensor scales) -> Tensor");
   m.def("available() -> bool", &available);
   m.def("max_rows() -> int", &max_rows);
@@ -1324,5 +1591,6 @@ TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
   m.impl("gemv_int8_grouped", c10::DispatchKey::CPU, &gemv_int8_grouped);
   m.impl("gemv_int4_grouped", c10::DispatchKey::CPU, &gemv_int4_grouped);
   m.impl("gemv_int8_q8", c10::DispatchKey::CPU, &gemv_int8_q8);
+  m.impl("gemv_bits_q8", c10::DispatchKey::CPU, &gemv_bits_q8);
   m.impl("gemv_dequant_tiles", c10::DispatchKey::CPU, &gemv_dequant_tiles);
 }

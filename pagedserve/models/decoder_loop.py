@@ -43,7 +43,7 @@ from pagedserve.quantization import gemv
 logger = logging.getLogger(__name__)
 
 # The C++ loop's op codes (kLinearOps in decoder_loop_cpu.cpp).
-DECODE_OPS = {"gemv_dense": 0, "gemv_int8_grouped": 1, "gemv_int8_q8": 2, "gemv_int4_grouped": 3}
+DECODE_OPS = {"gemv_dense": 0, "gemv_int8_grouped": 1, "gemv_int8_q8": 2, "gemv_int4_grouped": 3, "gemv_bits_q8": 7}
 GEMM_OPS = {"linear": 4, "mkldnn_linear": 5, "linear_widened": 6}
 NO_CALL = -1
 _DTYPES = (torch.float32, torch.bfloat16)

@@ -68,7 +68,7 @@ from pagedserve.models.layers.linear import LinearBase, RowParallelLinear, defau
 from pagedserve.models.registry import get_model_class
 from pagedserve.quantization import PER_CHANNEL, QuantizationConfig, UnquantizedLinearMethod
 from pagedserve.quantization.packed import PACKED, onednn_available
-from pagedserve.quantization.selector import get_linear_method
+from pagedserve.quantization.selector import get_linear_method, gguf_activations
 
 logger = logging.getLogger(__name__)
 
@@ -121,13 +121,14 @@ def load_model(
         model = model_cls(config)
         if serve_blocks:
             types = gguf_tensor_types(path, config)
-            native = attach_gguf_methods(model, types, torch.device(device))
+            activations = gguf_activations(quantization)
+            native = attach_gguf_methods(model, types, torch.device(device), activations)
             head_name, head_type = _head_tensor(types, config)
             # quantization="gguf" serves the head from the file's blocks too, as the default
             # does (it dequantized it to float32: 519 of the 0.5B's 777 MiB a step); only
             # quantize_lm_head asks for the int8 copy instead.
             head_blocks = not (quantization is not None and quantization.quantize_lm_head) \
-                and _attach_head_method(model, head_type)
+                and _attach_head_method(model, head_type, activations)
             if quantization is not None and quantization.quantize_lm_head:
                 # int8 blocks of 32: a Q8_0 head's own numbers
                 attach_quant_methods(model, QuantizationConfig("int8", quantize_lm_head=True),
@@ -262,7 +263,7 @@ def _lm_head(model: nn.Module) -> nn.Module:
     return next(m for m in model.modules() if isinstance(m, LMHead))
 
 
-def _attach_head_method(model: nn.Module, qtype: str) -> bool:
+def _attach_head_method(model: nn.Module, qtype: str, activations: str) -> bool:
     """By default the LM head too is served from the file's blocks (it is a tenth to a third
     of a small model's bytes per token: Qwen2.5-Coder-1.5B's Q6_K head dequantized to float32
     read 0.93 GB a token): its GGUF method, before loading, so no float copy is packed; the
@@ -273,7 +274,7 @@ def _attach_head_method(model: nn.Module, qtype: str) -> bool:
     head = _lm_head(model)
     if head.tp.size != 1:
         return False
-    method = gguf_method({qtype}, gemv.gemv_ops() is not None and head.output_size % gemv.TILE == 0)
+    method = gguf_method({qtype}, gemv.gemv_ops() is not None and head.output_size % gemv.TILE == 0, activations)
     if method is None:
         return False
     head.set_quant_method(method)
@@ -295,7 +296,9 @@ def check_gguf_quantization(path: str | Path, tp: TPGroup | None = None) -> None
         )
 
 
-def attach_gguf_methods(model: nn.Module, types: dict[str, str], device: torch.device) -> frozenset[str]:
+def attach_gguf_methods(
+    model: nn.Module, types: dict[str, str], device: torch.device, activations: str = "none"
+) -> frozenset[str]:
     """quantization='gguf' (the default for a quantized .gguf file): each linear layer whose
     checkpoint tensors (every shard of a fused one) all have a type with an exact integer
     form (quantization/gguf_decode.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL,
@@ -320,7 +323,7 @@ def attach_gguf_methods(model: nn.Module, types: dict[str, str], device: torch.d
         param_name = f"{prefix}.weight"
         names = [param_name.replace(ours, theirs) for theirs, ours, _ in mapping if ours in param_name]
         qtypes = {types.get(n, "missing") for n in (names or [param_name])}
-        method = gguf_method(qtypes, kernel and module.output_size % gemv.TILE == 0)
+        method = gguf_method(qtypes, kernel and module.output_size % gemv.TILE == 0, activations)
         if method is not None:
             module.set_quant_method(method)
             counts[method.name] += 1

@@ -269,6 +269,63 @@ def unpack_bits(tiles: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).reshape(num_tiles * TILE, in_features)
 
 
+def pack_bit_quads(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q (out, in) uint8 in [0, 2^bits), bits 4, 5 or 6 -> bit quads (out/16, in/32, 256 + 64 (bits - 4))
+    uint8, the layout of `bits_q8` (csrc/gemv_cpu.cpp's BitQuads): per tile and block of 32 k,
+    the low nibbles of octet o (k 8o..8o+7) and half h (channels 8h..8h+7) as 32 bytes,
+    byte 4 j + e = Q[8h+j, 8o+e] | Q[8h+j, 8o+4+e] << 4; then the high bits (see the C++)."""
+    out_features, in_features = q.shape
+    # (T, half, j, block, octet, lo/hi, e)
+    v = q.contiguous().view(out_features // TILE, 2, TILE // 2, in_features // 32, 4, 2, 4)
+    v = v.permute(0, 3, 4, 1, 2, 6, 5)  # (T, block, octet, half, j, e, lo/hi)
+    low = v & 15
+    parts = [(low[..., 0] | (low[..., 1] << 4)).reshape(*v.shape[:2], 256)]
+    high = v >> 4
+    if bits == 5:  # per half: bit 2 o (+ 1 for the hi k) over the 4 octets
+        shifts = (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 4, 1, 1, 1, 1) + torch.tensor(
+            [0, 1], dtype=torch.uint8)
+        field = (high << shifts).sum(dim=2, dtype=torch.uint8)  # (T, block, half, j, e, 2)
+        parts.append(field.sum(dim=-1, dtype=torch.uint8).reshape(*v.shape[:2], 64))
+    elif bits == 6:  # per octet pair and half: 2-bit fields at bits 0, 2 (octet 2P) and 4, 6 (2P + 1)
+        pairs = high.reshape(*v.shape[:2], 2, 2, 2, TILE // 2, 4, 2)  # (T, block, P, o%2, half, j, e, lo/hi)
+        shifts = (4 * torch.arange(2, dtype=torch.uint8)).view(1, 1, 1, 2, 1, 1, 1, 1) + torch.tensor(
+            [0, 2], dtype=torch.uint8)
+        field = (pairs << shifts).sum(dim=(3, 7), dtype=torch.uint8)  # (T, block, P, half, j, e)
+        parts.append(field.reshape(*v.shape[:2], 128))
+    elif bits != 4:
+        raise ValueError(f"bit quads hold 4, 5 or 6 bits, got {bits}")
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def unpack_bit_quads(quads: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_bit_quads`: q (out, in) uint8 (the width from the bytes per block)."""
+    num_tiles, blocks, nbytes = quads.shape
+    nib = quads[..., :256].reshape(num_tiles, blocks, 4, 2, TILE // 2, 4)  # (T, block, octet, half, j, e)
+    q = torch.stack((nib & 15, nib >> 4), dim=-1)  # (..., lo/hi)
+    if nbytes == 320:
+        hb = quads[..., 256:].reshape(num_tiles, blocks, 1, 2, TILE // 2, 4, 1)
+        shifts = (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 4, 1, 1, 1, 1) + torch.tensor(
+            [0, 1], dtype=torch.uint8)
+        q = q | (((hb >> shifts) & 1) << 4)
+    elif nbytes == 384:
+        hb = quads[..., 256:].reshape(num_tiles, blocks, 2, 1, 2, TILE // 2, 4, 1)
+        shifts = (4 * torch.arange(2, dtype=torch.uint8)).view(1, 1, 1, 2, 1, 1, 1, 1) + torch.tensor(
+            [0, 2], dtype=torch.uint8)
+        q = q | ((((hb >> shifts) & 3) << 4).reshape(q.shape))
+    # (T, block, octet, half, j, e, lo/hi) -> (T, half, j, block, octet, lo/hi, e)
+    return q.permute(0, 3, 4, 1, 2, 6, 5).reshape(num_tiles * TILE, blocks * 32)
+
+
+def bits_q8(
+    x: torch.Tensor, quads: torch.Tensor, params: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (..., in) float32/bf16 -> x W^T + b (..., out) in x.dtype, x rounded per row and block of
+    32 to int8 (`quantize_rows_q8`), W the 4 / 5 / 6-bit weights of `pack_bit_quads` with any
+    parameter form of `int4_grouped` (groups of 16 or 32): exact integer sums per group, one
+    float multiply-add per group and channel. Any number of rows (prefill too)."""
+    return _ops().gemv_bits_q8(x, quads, params, bias)
+
+
 def unpack_int4_grouped(
     tiles: torch.Tensor, sz: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

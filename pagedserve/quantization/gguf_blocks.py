@@ -175,8 +175,10 @@ class GGUFInt8Method(_GGUFBlocks, Int8GroupedLinearMethod):
 
     name = "gguf-int8"
 
-    def __init__(self) -> None:
-        super().__init__(BLOCK)
+    def __init__(self, activations: str = "none") -> None:
+        # "int8" takes effect where the parameters are float16 scales (Q8_0's form: the
+        # `gemv.int8_q8` kernel); float32 (s, l0) pairs keep float activations.
+        super().__init__(BLOCK, activations=activations)
 
     def _install(self, layer: nn.Module, parts: list[object]) -> None:
         decoded = [decode(p.qtype, p.blocks, p.shape) for p in parts]  # type: ignore[attr-defined]
@@ -263,6 +265,19 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
     name = "gguf-bits"
     converts_weight_per_call = True  # dequantized for the GEMM past gemv.CHUNKED_MAX_ROWS
 
+    def __init__(self, activations: str = "none") -> None:
+        # "int8": x rounded to int8 per block of 32 and the weights kept as integers
+        # (`gemv.bits_q8` on `pack_bit_quads`, llama.cpp's K-quant x q8 dot products) at every
+        # row count; "none": float32 x times the weights widened to float32 (channel tiles).
+        self.activations = activations
+
+    def _register_q(self, layer: nn.Module, q: torch.Tensor, bits: int, group: int) -> None:
+        """The weight's integers in the layout its activations need (same bytes a weight)."""
+        if self.activations == "int8" and group in (16, 32):
+            layer.register_buffer("qweight_quads", gemv.pack_bit_quads(q.to(torch.uint8), bits))
+        else:
+            layer.register_buffer("qweight_tiles", gemv.pack_bits(q.to(torch.uint8), bits))
+
     def _install(self, layer: nn.Module, parts: list[object]) -> None:
         qtypes = [p.qtype for p in parts]  # type: ignore[attr-defined]
         decoded = [decode(p.qtype, p.blocks, p.shape) for p in parts]  # type: ignore[attr-defined]
@@ -283,7 +298,7 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
         else:
             level0 = torch.cat([d.level0 if d.level0 is not None else -center * d.scale for d in decoded])
             params = gemv.pack_affine_params(scale, level0)
-        layer.register_buffer("qweight_tiles", gemv.pack_bits(q.to(torch.uint8), bits))
+        self._register_q(layer, q, bits, group)
         layer.register_buffer("scale_tiles", params)
 
     def _install_superblocks(self, layer: nn.Module, parts: list[object], decoded: list[Decoded]) -> None:
@@ -302,13 +317,16 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
                                  for t, k in zip(qtypes, kparts, strict=True)])
         merged = KParts(torch.cat([k.d for k in kparts]), torch.cat([k.dmin for k in kparts]),
                         torch.cat([k.sc for k in kparts]), torch.cat([k.m for k in kparts]), group)
-        layer.register_buffer("qweight_tiles", gemv.pack_bits(q.to(torch.uint8), bits))
+        self._register_q(layer, q, bits, group)
         layer.register_buffer("scale_tiles", pack_superblock_params(merged, centers))
 
     def weight_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
-        return [layer.qweight_tiles, layer.scale_tiles]
+        return [_bits_q(layer), layer.scale_tiles]
 
     def decode_op(self, layer: nn.Module) -> LinearCall | None:
+        quads = getattr(layer, "qweight_quads", None)
+        if quads is not None:
+            return linear_call("gemv_bits_q8", quads, layer.scale_tiles, bias=getattr(layer, "bias", None))
         return linear_call("gemv_int4_grouped", layer.qweight_tiles, layer.scale_tiles,
                            bias=getattr(layer, "bias", None))
 
@@ -317,7 +335,15 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
         return torch.cat(list(_bits_blocks(layer, dtype)))
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        tiles, params, bias = layer.qweight_tiles, layer.scale_tiles, getattr(layer, "bias", None)
+        params, bias = layer.scale_tiles, getattr(layer, "bias", None)
+        quads = getattr(layer, "qweight_quads", None)
+        if quads is not None:
+            if x.dtype in gemv.X_DTYPES:  # every row count: a prefill too (see gemv.bits_q8)
+                return gemv.bits_q8(x, quads, params, bias)
+            x2 = gemv.q8_round_trip(x.reshape(-1, x.shape[-1])).float()  # float16: the same function
+            y = add_bias((x2 @ self.dequantized_weight(layer).t()).to(x.dtype), layer)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        tiles = layer.qweight_tiles
         if x.dtype in gemv.X_DTYPES:
             rows = gemv.rows_of(x)
             if rows <= gemv.MAX_ROWS:  # a decode step: one op, x as it is
@@ -327,19 +353,28 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
         return _exact_gemm(layer, x, tiles, params)
 
 
+def _bits_q(layer: nn.Module) -> torch.Tensor:
+    quads = getattr(layer, "qweight_quads", None)
+    return quads if quads is not None else layer.qweight_tiles  # type: ignore[return-value]
+
+
 def _bits_blocks(layer: nn.Module, dtype: torch.dtype) -> Iterator[torch.Tensor]:
     """The weight of a `GGUFBitsMethod` layer, (16 T, in) in `dtype` per block of T tiles
     (~4 MiB of float32): (q - center) * s, or q * s + l0 (q * s exact, one rounding: gguf's)."""
-    tiles: torch.Tensor = layer.qweight_tiles  # type: ignore[assignment]
+    tiles = _bits_q(layer)
     params: torch.Tensor = layer.scale_tiles  # type: ignore[assignment]
-    num_tiles, in_features, nbytes = tiles.shape
-    center = 1 << (3 + (nbytes - 8) // 2)
+    quads = tiles is getattr(layer, "qweight_quads", None)
+    unpack = gemv.unpack_bit_quads if quads else gemv.unpack_bits
+    num_tiles = tiles.shape[0]
+    in_features = tiles.shape[1] * 32 if quads else tiles.shape[1]
+    bits = 4 + (tiles.shape[2] - 256) // 64 if quads else 4 + (tiles.shape[2] - 8) // 2
+    center = 1 << (bits - 1)
     if params.dtype == torch.uint8:
         params = superblock_params_as_float(params, center)
     groups = params.shape[1]
     step = max(1, (1 << 20) // (in_features * gemv.TILE))
     for t in range(0, num_tiles, step):
-        q = gemv.unpack_bits(tiles[t : t + step]).float()  # (16 T, in)
+        q = unpack(tiles[t : t + step]).float()  # (16 T, in)
         p = params[t : t + step].float()
         rows = q.shape[0]
         q = q.view(rows, groups, in_features // groups)
@@ -408,7 +443,7 @@ def superblock_params_as_float(params: torch.Tensor, center: int) -> torch.Tenso
     return torch.stack((s, level0), dim=3).reshape(num_tiles, supers * groups, 2, gemv.TILE)
 
 
-def gguf_method(qtypes: set[str], kernel: bool) -> LinearMethod | None:
+def gguf_method(qtypes: set[str], kernel: bool, activations: str = "none") -> LinearMethod | None:
     """The method for a linear layer whose checkpoint tensors have these GGUF types, or None
     (loaded dequantized: a float tensor among them, a type with no exact integer form, or
     a form only the GEMV kernel serves where it cannot take the layer: `kernel` False).
@@ -418,13 +453,13 @@ def gguf_method(qtypes: set[str], kernel: bool) -> LinearMethod | None:
     if not qtypes or not qtypes <= set(TARGETS):
         return None
     if qtypes <= _Q8_ONLY:
-        return GGUFInt8Method()
+        return GGUFInt8Method(activations)
     if qtypes <= _Q4_ONLY:
         return GGUFInt4Method()
     if not kernel:
         return None
     if qtypes <= set(K_TYPES):  # the file's parameter bytes (super-block parameters)
-        return GGUFBitsMethod()
-    if qtypes <= set(FOUR_BIT):
+        return GGUFBitsMethod(activations)
+    if qtypes <= set(FOUR_BIT) and activations == "none":
         return GGUFInt4Method()
-    return GGUFBitsMethod() if qtypes <= BITS_TYPES else GGUFInt8Method()
+    return GGUFBitsMethod(activations) if qtypes <= BITS_TYPES else GGUFInt8Method(activations)

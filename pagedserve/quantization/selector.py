@@ -14,6 +14,18 @@ if TYPE_CHECKING:
 # activations (benchmarks/quality.py, configs int8-a8 vs fp32) shows perplexity within +0.5%
 # of fp32's (issue 18's bound); "int8" reads the weights ~2x faster at batch 1 on AVX2.
 DEFAULT_INT8_ACTIVATIONS = "none"
+# What "auto" means for a GGUF file served from its blocks: int8, as llama.cpp multiplies every
+# quantized type (x rounded per block of 32, integer dot products). The K-quant layers then read
+# their weights at ~2.5x the rate of the float path (the float path was bound by widening each
+# weight to float32, not by memory); BENCHMARKS.md has the perplexity cost on the Qwen files.
+DEFAULT_GGUF_ACTIVATIONS = "int8"
+
+
+def gguf_activations(config: QuantizationConfig | None) -> str:
+    """The activations of a GGUF file's layers served from its blocks ("int8" or "none")."""
+    if config is None or config.activations == "auto":
+        return DEFAULT_GGUF_ACTIVATIONS
+    return config.activations
 
 
 def get_linear_method(config: QuantizationConfig) -> LinearMethod:

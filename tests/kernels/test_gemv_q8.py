@@ -20,13 +20,18 @@ from gemv_cases import BF16_ULP, BareLinear, gen, group_for, weights, with_op_ca
 from torch import nn
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.config import ModelConfig
 from pagedserve.quantization import DEFAULT_INT8_ACTIVATIONS, QuantizationConfig, gemv
 from pagedserve.quantization.int8_grouped import (
     Int8GroupedLinearMethod,
     dequantize_int8_grouped,
     quantize_int8_grouped,
 )
-from pagedserve.quantization.selector import get_linear_method
+from pagedserve.quantization.selector import (
+    DEFAULT_GGUF_ACTIVATIONS,
+    get_linear_method,
+    gguf_activations,
+)
 
 pytestmark = pytest.mark.skipif(gemv.gemv_ops() is None, reason="GEMV kernel unavailable (no AVX2/FMA or no compiler)")
 
@@ -146,8 +151,13 @@ def test_config_activations_setting() -> None:
     assert get_linear_method(QuantizationConfig("int8")).activations == DEFAULT_INT8_ACTIVATIONS
     assert get_linear_method(QuantizationConfig("int8", activations="int8")).activations == "int8"
     assert get_linear_method(QuantizationConfig("int8", activations="none")).activations == "none"
-    with pytest.raises(ValueError, match="group-wise quantization='int8' only"):
+    with pytest.raises(ValueError, match="group-wise quantization='int8' and to quantization='gguf' only"):
         QuantizationConfig("int4", activations="int8")
+    # a GGUF file's activations: int8 by default (llama.cpp's arithmetic), or as chosen
+    assert gguf_activations(None) == gguf_activations(QuantizationConfig("gguf")) == DEFAULT_GGUF_ACTIVATIONS == "int8"
+    assert gguf_activations(QuantizationConfig("gguf", activations="none")) == "none"
+    with pytest.raises(ValueError, match="quantization_activations needs quantization="):
+        ModelConfig("m.gguf", quantization_activations="none")
     with pytest.raises(ValueError, match="quantization_activations must be one of"):
         QuantizationConfig("int8", activations="fp8")
 

@@ -48,10 +48,11 @@ def test_integer_form_is_gguf_dequantize_bit_for_bit(qtype: str):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-def _layer(qtypes: tuple[str, ...], bias: bool) -> tuple[MergedColumnParallelLinear, torch.Tensor]:
+def _layer(qtypes: tuple[str, ...], bias: bool, activations: str = "none",
+           ) -> tuple[MergedColumnParallelLinear, torch.Tensor]:
     """A fused layer with one shard per type, loaded through its GGUF method."""
     layer = MergedColumnParallelLinear(IN, [OUT] * len(qtypes), bias=bias)
-    method = gguf_method(set(qtypes), kernel=True)
+    method = gguf_method(set(qtypes), kernel=True, activations=activations)
     assert method is not None
     layer.set_quant_method(method)
     parts = [_tensor(t, i + 1) for i, t in enumerate(qtypes)]
@@ -107,13 +108,85 @@ def test_layer_holds_the_files_values_and_multiplies_them(qtypes: tuple[str, ...
             assert ((got.double() - want).abs() <= bound + 1e-6).all(), (rows, dtype)
 
 
+# int8 activations (the default for a GGUF file): bit quads x q8 for types of <= 6 bits (mixes of
+# Q4_0 / Q4_1 alone keep the int4 tiles), int8 quads x q8 where the int8 parameters are float16
+# scales; int8 tiles with float32 (s, l0) pairs keep float activations.
+HALF_INT8 = {"Q8_0", "Q5_0", "IQ4_NL"}
+
+
+def _rounds(qtypes: tuple[str, ...]) -> bool:
+    return (set(qtypes) <= BITS and not set(qtypes) <= {"Q4_0", "Q4_1"}) or set(qtypes) <= HALF_INT8
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtypes", CASES, ids="+".join)
+def test_int8_activations_multiply_the_files_values_by_rounded_x(qtypes: tuple[str, ...]):
+    """y = q8_round_trip(x) W^T (+ b) with W gguf's own dequantization, at decode and prefill row
+    counts; the integer block sums are exact, so only float32 rounding of the per-group scale
+    products and the sums differs from float64 (and one rounding of a bf16 y)."""
+    layer, want_w = _layer(qtypes, bias=True, activations="int8")
+    method = layer.quant_method
+    rounds = _rounds(qtypes)
+    assert hasattr(layer, "qweight_quads") == rounds, method.name
+    assert torch.equal(method.dequantized_weight(layer), want_w)
+    gen = torch.Generator().manual_seed(4)
+    for rows in ROWS:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, IN, generator=gen).to(dtype)
+            if rows > 2:
+                x[2, :32] = torch.tensor([127.0, 2.5, -3.5, 0.5] * 8)  # ties: round half to even
+            got = method.apply(layer, x)
+            xr = gemv.q8_round_trip(x.float()).double() if rounds else x.double()
+            want = F.linear(xr, want_w.double(), layer.bias.double())
+            magnitude = F.linear(xr.abs(), want_w.double().abs()) + layer.bias.double().abs()
+            bound = 1e-5 * magnitude
+            if dtype == torch.bfloat16:
+                bound = bound + want.abs() * BF16_ULP + magnitude * BF16_ULP
+            assert got.dtype == dtype and got.shape == want.shape
+            assert ((got.double() - want).abs() <= bound + 1e-6).all(), (rows, dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 5, 6])
+def test_bit_quads_hold_every_value_where_the_kernel_reads_it(bits: int):
+    """`pack_bit_quads`' layout as the C++ reads it (BitQuads), checked byte by byte, and its
+    inverse."""
+    q = torch.randint(0, 1 << bits, (32, 96), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    quads = gemv.pack_bit_quads(q, bits)
+    assert quads.shape == (2, 3, 256 + 64 * (bits - 4))
+    assert torch.equal(gemv.unpack_bit_quads(quads), q)
+    for t, b, o, h, j, e in [(0, 0, 0, 0, 0, 0), (1, 2, 3, 1, 7, 3), (1, 1, 2, 0, 5, 1), (0, 2, 1, 1, 2, 2)]:
+        ch, k = 16 * t + 8 * h + j, 32 * b + 8 * o + e
+        byte = int(quads[t, b, 64 * o + 32 * h + 4 * j + e])
+        assert byte == (int(q[ch, k]) & 15) | (int(q[ch, k + 4]) & 15) << 4
+        if bits == 5:
+            high = int(quads[t, b, 256 + 32 * h + 4 * j + e])
+            assert (high >> 2 * o) & 1 == int(q[ch, k]) >> 4 and (high >> (2 * o + 1)) & 1 == int(q[ch, k + 4]) >> 4
+        if bits == 6:
+            high = int(quads[t, b, 256 + 64 * (o // 2) + 32 * h + 4 * j + e])
+            shift = 4 * (o % 2)
+            assert (high >> shift) & 3 == int(q[ch, k]) >> 4 and (high >> (shift + 2)) & 3 == int(q[ch, k + 4]) >> 4
+
+
+@needs_kernel
+def test_bits_q8_refuses_malformed_inputs():
+    q = gemv.pack_bit_quads(torch.zeros(16, 64, dtype=torch.uint8), 4)
+    pairs = torch.zeros(1, 2, 2, 16)
+    with pytest.raises(RuntimeError, match="bit quads"):
+        gemv.bits_q8(torch.zeros(1, 96), q, pairs, None)  # K mismatch
+    with pytest.raises(RuntimeError, match="groups of 16 or 32"):
+        gemv.bits_q8(torch.zeros(1, 64), q, torch.zeros(1, 1, 2, 16), None)  # a group of 64
+
+
 @needs_kernel
 def test_the_decode_op_is_the_apply_of_a_decode_step():
     """What the C++ decoder loop calls (`decode_op`) computes what `apply` does."""
-    layer, _ = _layer(("Q4_K", "Q6_K"), bias=False)
-    op, args = layer.quant_method.decode_op(layer)
-    x = torch.randn(4, IN)
-    assert torch.equal(getattr(gemv._ops(), op)(x, *args, None), layer.quant_method.apply(layer, x))
+    for activations in ("none", "int8"):
+        layer, _ = _layer(("Q4_K", "Q6_K"), bias=False, activations=activations)
+        op, args = layer.quant_method.decode_op(layer)
+        assert op == ("gemv_bits_q8" if activations == "int8" else "gemv_int4_grouped")
+        x = torch.randn(4, IN)
+        assert torch.equal(getattr(gemv._ops(), op)(x, *args, None), layer.quant_method.apply(layer, x))
 
 
 @needs_kernel

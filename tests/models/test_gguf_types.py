@@ -1,10 +1,16 @@
 """Every GGUF tensor type the `gguf` package dequantizes loads: one small random file per type
 (every matrix, embedding and head included, in that type), greedy token for token equal to
-transformers loading the same file in float32 (its GGUF loader dequantizes with gguf). By
-default the linear layers of Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS files are served
-from the file's own blocks (quantization/gguf_decode.py: the same numbers), so those cases
-test the native kernels end to end; the other types are dequantized at load, and one log
-line per load says what dequantizing cost.
+transformers loading the same file in float32 (its GGUF loader dequantizes with gguf). The
+linear layers of Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS files are served from the
+file's own blocks (quantization/gguf_decode.py: the same numbers), so those cases test the
+native kernels end to end; the other types are dequantized at load, and one log line per load
+says what dequantizing cost.
+
+Two activation settings: float activations (`quantization_activations="none"`, FLOAT) equal
+plain transformers; the default, int8 activations (llama.cpp's arithmetic: x rounded per block
+of 32, integer dot products), equals transformers whose rounded layers get their input rounded
+the same way (`gemv.q8_round_trip`, a forward pre-hook): an independent float64-free reference
+of the same function.
 
 Types `gguf.quants.quantize` cannot produce (K-quants, I-quants, NVFP4) are written as random
 blocks (tests/gguf_utils.py: `random_blocks`): any bytes are a valid block once its scales are
@@ -14,6 +20,7 @@ finite, and both sides read the same bytes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -36,6 +43,7 @@ gguf = pytest.importorskip("gguf")
 # 256 columns: the super-block of the K- and I-quants.
 LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 2, 256, 512, 4, 2, 256
 ENGINE = {"dtype": "float32", "skip_tokenizer_init": True, "kv_cache_memory_bytes": 4 << 20}
+FLOAT = {"quantization": "gguf", "quantization_activations": "none"}  # float activations
 NATIVE = ("Q8_0", "Q4_0", "Q4_1")  # covered by test_gguf.py / test_gguf_quantized.py
 TYPES = [t for t in quantizable_types() if t not in NATIVE and t != "BF16"]
 PROMPTS = [[5, 9, 33, 120], list(range(3, 40)), [7]]
@@ -82,18 +90,24 @@ def _file(tmp_path, qtype: str, **kwargs):
     return path
 
 
-def _reference(path) -> torch.nn.Module:
+def _reference(path, rounded: Callable[[str], bool] | None = None) -> torch.nn.Module:
+    """transformers on the file (float32); `rounded(name)`: the linear layers whose input is
+    rounded as int8 activations round it (the LM head is "lm_head")."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    for name, module in model.named_modules():
+        if rounded is not None and isinstance(module, torch.nn.Linear) and rounded(name):
+            module.register_forward_pre_hook(lambda _m, args: (gemv.q8_round_trip(args[0]),))
     # No EOS, as our ignore_eos: `min_new_tokens` would instead mask EOS (id 2) out of the
     # argmax, and a random model picks it now and then.
     model.generation_config.eos_token_id = None
     return model
 
 
-def _hf_greedy(path, prompts: list[list[int]], new_tokens: int = 12) -> list[list[int]]:
-    model = _reference(path)
+def _hf_greedy(path, prompts: list[list[int]], new_tokens: int = 12,
+               rounded: Callable[[str], bool] | None = None) -> list[list[int]]:
+    model = _reference(path, rounded)
     outs = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -124,14 +138,36 @@ COMMON = {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q3_K", "Q
 @pytest.mark.parametrize("qtype", [t if t in COMMON else pytest.param(t, marks=pytest.mark.slow) for t in TYPES])
 def test_greedy_equals_transformers(tmp_path, qtype: str):
     path = _file(tmp_path, qtype)
-    assert _engine_greedy(path, PROMPTS) == _hf_greedy(path, PROMPTS)
+    assert _engine_greedy(path, PROMPTS, **FLOAT) == _hf_greedy(path, PROMPTS)
+
+
+def _every_layer(_name: str) -> bool:
+    return True
+
+
+@pytest.mark.skipif(gemv.gemv_ops() is None, reason="int8 activations need the GEMV kernel")
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q5_0", "Q5_1", "IQ4_NL"])
+def test_int8_activations_equal_transformers_with_rounded_inputs(tmp_path, qtype: str):
+    """The default: every linear layer (head included) of a file of one of these types rounds
+    its input to int8 per block of 32 (bit quads x q8 for <= 6-bit types, int8 quads x q8 for
+    IQ4_NL's float16 scales); prefill (37 rows) and decode steps alike.
+
+    Not Q6_K here: this random Q6_K model is chaotic under rounding (x times 1 + 1e-6 noise
+    before the rounding moves its logprobs by ~0.7 nats), so the float order of a sum flips a
+    greedy token; tests/kernels/test_gguf_kernels.py checks its layers against gguf's values."""
+    path = _file(tmp_path, qtype)
+    assert _engine_greedy(path, PROMPTS) == _hf_greedy(path, PROMPTS, rounded=_every_layer)
 
 
 def test_qwen2_with_biases_and_an_untied_head(tmp_path):
     """The layout of Qwen2.5's Q4_K_M files: Q4_K and Q6_K matrices, Q5_0 / Q8_0 where a
     row of 896 is not whole super-blocks (here: v and down), F32 biases."""
     path = _file(tmp_path, "Q4_K", arch="qwen2", types={"attn_v": "Q6_K", "ffn_down": "Q5_0", "attn_k": "Q8_0"})
-    assert _engine_greedy(path, PROMPTS) == _hf_greedy(path, PROMPTS)
+    assert _engine_greedy(path, PROMPTS, **FLOAT) == _hf_greedy(path, PROMPTS)
+    # int8 activations: q / k / v (Q4_K, Q8_0, Q6_K fused: int8 tiles with float32 pairs) keep
+    # float activations; every other layer rounds.
+    assert _engine_greedy(path, PROMPTS) == _hf_greedy(
+        path, PROMPTS, rounded=lambda name: not name.endswith(("q_proj", "k_proj", "v_proj")))
 
 
 def test_one_log_line_names_the_dequantized_types_and_their_cost(tmp_path, caplog):
@@ -180,4 +216,4 @@ def test_native_types_keep_their_blocks_beside_dequantized_ones(tmp_path, caplog
     assert methods["model.layers.0.mlp.gate_up_proj"] in {"onednn-packed", "unquantized"}
     lines = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
     assert len(lines) == 1 and "Q3_K" in lines[0] and "Q8_0" not in lines[0]
-    assert _engine_greedy(path, PROMPTS[:1], quantization="gguf") == _hf_greedy(path, PROMPTS[:1])
+    assert _engine_greedy(path, PROMPTS[:1], **FLOAT) == _hf_greedy(path, PROMPTS[:1])

@@ -238,7 +238,7 @@ def test_gguf_qwen3moe_matches_hf(tmp_path: Path, qtype: str) -> None:
     assert loaded.architectures == ["Qwen3MoeForCausalLM"]
     assert (loaded.moe_intermediate_size, loaded.num_experts, loaded.num_experts_per_tok,
             loaded.norm_topk_prob, loaded.mlp_only_layers) == (32, 8, 2, True, [])
-    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    model, _ = load_model(path, torch.float32, torch.device("cpu"), gguf_blocks=False)
     prompts = prompts_for(config.vocab_size, [30, 1, 17])
     want = hf_eager_logits(tmp_path / "hf", prompts)
     for got, exp in zip(PagedRunner(model, 3).step(list(enumerate(prompts))), want, strict=True):
@@ -247,7 +247,7 @@ def test_gguf_qwen3moe_matches_hf(tmp_path: Path, qtype: str) -> None:
         return
     # quantization="gguf": the attention's Q8_0 blocks served as they are, the experts (3-D
     # in the file) dequantized at load.
-    model, _ = load_model(path, torch.float32, torch.device("cpu"), QuantizationConfig("gguf"))
+    model, _ = load_model(path, torch.float32, torch.device("cpu"), QuantizationConfig("gguf", activations="none"))
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.quant_method.name.startswith("gguf")
     assert not layer.mlp.experts[0].gate_up_proj.quant_method.name.startswith("gguf")
