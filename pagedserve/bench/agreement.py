@@ -26,9 +26,12 @@ CONFIGS: dict[str, dict] = {
     "int4-g128": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 128},
     "kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
     "int8+kv-int8": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "int8"},
-    # --model a .gguf file only: its Q8_0 / Q4_* linear weights served as they are (fp32 is then
-    # the same file dequantized to float32: the same weights, so this measures the kernels).
+    # --model a .gguf file only: its quantized linear weights served as they are (fp32 is then
+    # the same file dequantized to float32: the same weights, so this measures the kernels);
+    # "gguf" is the default (int8 activations, llama.cpp's arithmetic), "gguf-float" keeps
+    # float32 activations (the file's weights times x exactly).
     "gguf": {"dtype": "float32", "quantization": "gguf"},
+    "gguf-float": {"dtype": "float32", "quantization": "gguf", "quantization_activations": "none"},
 }
 CHAT_PROMPTS = [
     "What is the capital of France?",

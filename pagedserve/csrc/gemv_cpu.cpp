@@ -1142,18 +1142,15 @@ inline void quad_group(const uint8_t* blk, const int8_t* xq, int64_t K, __m256i 
   }
 }
 
-// tot[i] (16 floats a row) += acc * (s * d_i) + l0 * xs_i for a group's parameters.
+// sums[i] (16 floats a row, in registers) += acc * (s * d_i) + l0 * xs_i for a group's parameters.
 template <int MT>
-inline void quad_fold(float* tot, __m256i (*acc)[2], const float* d, int64_t ldd, const float* xs, int64_t ldxs,
-                      __m256 s0, __m256 s1, __m256 l0, __m256 l1) {
+inline void quad_fold(__m256 (*sums)[2], __m256i (*acc)[2], const float* d, int64_t ldd, const float* xs,
+                      int64_t ldxs, __m256 s0, __m256 s1, __m256 l0, __m256 l1) {
   PAGEDSERVE_UNROLL
   for (int i = 0; i < MT; ++i) {
     const __m256 dv = _mm256_set1_ps(d[i * ldd]), xv = _mm256_set1_ps(xs[i * ldxs]);
-    float* o = tot + i * kTile;
-    __m256 v0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][0]), _mm256_mul_ps(s0, dv), _mm256_loadu_ps(o));
-    __m256 v1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][1]), _mm256_mul_ps(s1, dv), _mm256_loadu_ps(o + 8));
-    _mm256_storeu_ps(o, _mm256_fmadd_ps(l0, xv, v0));
-    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(l1, xv, v1));
+    sums[i][0] = _mm256_fmadd_ps(l0, xv, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][0]), _mm256_mul_ps(s0, dv), sums[i][0]));
+    sums[i][1] = _mm256_fmadd_ps(l1, xv, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][1]), _mm256_mul_ps(s1, dv), sums[i][1]));
   }
 }
 
@@ -1165,6 +1162,10 @@ inline void quad_tile_rows(const uint8_t* qt, const int8_t* xq, const float* dx,
   constexpr int64_t kB = BitQuads<Bits>::kBlockBytes;
   const int64_t nb = K / 32, groups = K / group;
   __m256i acc[MT][2];
+  // The row totals stay in registers over all of K (no load and store of them per group).
+  __m256 sums[MT][2];
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < MT; ++i) sums[i][0] = sums[i][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = qt + b * kB;
     if (prefetch) prefetch_ahead(blk, kB);
@@ -1174,25 +1175,33 @@ inline void quad_tile_rows(const uint8_t* qt, const int8_t* xq, const float* dx,
     if (group == 32) {
       quad_group<Bits, MT, 4, 0>(blk, xb, K, acc);
       params(t, b, s0, s1, l0, l1);
-      quad_fold<MT>(tot, acc, dx + b, nb, xs + b, groups, s0, s1, l0, l1);
+      quad_fold<MT>(sums, acc, dx + b, nb, xs + b, groups, s0, s1, l0, l1);
     } else {
       quad_group<Bits, MT, 2, 0>(blk, xb, K, acc);
       params(t, 2 * b, s0, s1, l0, l1);
-      quad_fold<MT>(tot, acc, dx + b, nb, xs + 2 * b, groups, s0, s1, l0, l1);
+      quad_fold<MT>(sums, acc, dx + b, nb, xs + 2 * b, groups, s0, s1, l0, l1);
       quad_group<Bits, MT, 2, 2>(blk, xb, K, acc);
       params(t, 2 * b + 1, s0, s1, l0, l1);
-      quad_fold<MT>(tot, acc, dx + b, nb, xs + 2 * b + 1, groups, s0, s1, l0, l1);
+      quad_fold<MT>(sums, acc, dx + b, nb, xs + 2 * b + 1, groups, s0, s1, l0, l1);
     }
+  }
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < MT; ++i) {
+    _mm256_storeu_ps(tot + i * kTile, sums[i][0]);
+    _mm256_storeu_ps(tot + i * kTile + 8, sums[i][1]);
   }
 }
 
-// Rows per register block: 4 on AVX2 (8 accumulators + 4 weight vectors + 2 broadcasts of the
-// 16 registers); AVX-512VL's 32 registers take 8.
+// Rows per register block: AVX-512VL's 32 registers hold 6 rows' 12 integer and 12 float
+// accumulators beside the 4 weight vectors and 2 broadcasts; AVX2's 16 take 2 (4 rows spill).
+#ifndef PAGEDSERVE_QUAD_ROWS
 #if defined(__AVX512VL__)
-constexpr int kQuadRows = 8;
+#define PAGEDSERVE_QUAD_ROWS 6
 #else
-constexpr int kQuadRows = 4;
+#define PAGEDSERVE_QUAD_ROWS 2
 #endif
+#endif
+constexpr int kQuadRows = PAGEDSERVE_QUAD_ROWS;
 
 template <int Bits, class Params>
 void bits_q8_impl(const at::Tensor& xf, const at::Tensor& q, int64_t groups, const Params& params, const float* bias,
@@ -1231,14 +1240,18 @@ void bits_q8_impl(const at::Tensor& xf, const at::Tensor& q, int64_t groups, con
           quad_tile_rows<Bits, decltype(rows)::value>(qt, xm, dm, sm, K, group, tile_params, t, o, first, next);
         };
         switch (std::min<int64_t>(kQuadRows, M - m)) {
-#if defined(__AVX512VL__)
+#if PAGEDSERVE_QUAD_ROWS >= 8
           case 8: run(std::integral_constant<int, 8>{}); break;
           case 7: run(std::integral_constant<int, 7>{}); break;
+#endif
+#if PAGEDSERVE_QUAD_ROWS >= 5
           case 6: run(std::integral_constant<int, 6>{}); break;
           case 5: run(std::integral_constant<int, 5>{}); break;
 #endif
+#if PAGEDSERVE_QUAD_ROWS >= 3
           case 4: run(std::integral_constant<int, 4>{}); break;
           case 3: run(std::integral_constant<int, 3>{}); break;
+#endif
           case 2: run(std::integral_constant<int, 2>{}); break;
           default: run(std::integral_constant<int, 1>{}); break;
         }
