@@ -147,6 +147,18 @@ def test_int8_activations_multiply_the_files_values_by_rounded_x(qtypes: tuple[s
 
 
 @needs_kernel
+def test_int8_activations_give_a_row_the_same_bits_in_any_batch():
+    """A row's result does not depend on the rows beside it (each row is rounded alone and its
+    sums run in one order): speculative decoding's verify steps and batched decode give the
+    tokens a batch-1 decode gives."""
+    layer, _ = _layer(("Q4_K", "Q6_K"), bias=True, activations="int8")
+    x = torch.randn(37, IN, generator=torch.Generator().manual_seed(9))
+    alone = torch.cat([layer.quant_method.apply(layer, x[i : i + 1]) for i in range(37)])
+    for rows in (2, 7, 37):
+        assert torch.equal(layer.quant_method.apply(layer, x[:rows]), alone[:rows])
+
+
+@needs_kernel
 @pytest.mark.parametrize("bits", [4, 5, 6])
 def test_bit_quads_hold_every_value_where_the_kernel_reads_it(bits: int):
     """`pack_bit_quads`' layout as the C++ reads it (BitQuads), checked byte by byte, and its
