@@ -23,8 +23,7 @@ from pagedserve.models.hub import default_model_path
 # the dequantized weights (the converted HF folder: the same values, without parsing the
 # file's metadata again) in float32 and bfloat16, and the engine's int8 / int4 of them.
 CONFIGS = {
-    "gguf": (True, {}),  # the default: int8 activations where the layer's blocks allow them
-    "gguf-float": (True, {"quantization": "gguf", "quantization_activations": "none"}),
+    "gguf": (True, {}),
     "float32": (False, {"dtype": "float32"}),
     "bfloat16": (False, {"dtype": "bfloat16"}),
     "int8": (False, {"quantization": "int8", "dtype": "float32"}),

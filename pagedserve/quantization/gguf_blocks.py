@@ -46,6 +46,7 @@ from pagedserve.quantization.gguf_decode import (
 )
 from pagedserve.quantization.int4 import Int4LinearMethod
 from pagedserve.quantization.int8_grouped import Int8GroupedLinearMethod
+from pagedserve.quantization.selector import DEFAULT_GGUF_ACTIVATIONS
 
 BLOCK = 32
 
@@ -449,9 +450,13 @@ def gguf_method(qtypes: set[str], kernel: bool, activations: str = "none") -> Li
     a form only the GEMV kernel serves where it cannot take the layer: `kernel` False).
 
     4-bit types alone go to int4 channel tiles (half the bytes of int8); Q5_0 / Q6_K (and
-    4- / 5-bit types beside them) to 5- / 6-bit tiles; any other mix (Q8_0, IQ4_*) to int8."""
+    4- / 5-bit types beside them) to 5- / 6-bit tiles; any other mix (Q8_0, IQ4_*) to int8.
+    `activations` "auto" (quantization.selector.DEFAULT_GGUF_ACTIVATIONS): int8 for the bit
+    tiles (held as bit quads), float for the int8 / int4 layouts; "int8" / "none": all."""
     if not qtypes or not qtypes <= set(TARGETS):
         return None
+    bits_activations = DEFAULT_GGUF_ACTIVATIONS if activations == "auto" else activations
+    activations = "none" if activations == "auto" else activations
     if qtypes <= _Q8_ONLY:
         return GGUFInt8Method(activations)
     if qtypes <= _Q4_ONLY:
@@ -459,7 +464,7 @@ def gguf_method(qtypes: set[str], kernel: bool, activations: str = "none") -> Li
     if not kernel:
         return None
     if qtypes <= set(K_TYPES):  # the file's parameter bytes (super-block parameters)
-        return GGUFBitsMethod(activations)
-    if qtypes <= set(FOUR_BIT) and activations == "none":
+        return GGUFBitsMethod(bits_activations)
+    if qtypes <= set(FOUR_BIT) and bits_activations == "none":
         return GGUFInt4Method()
-    return GGUFBitsMethod(activations) if qtypes <= BITS_TYPES else GGUFInt8Method(activations)
+    return GGUFBitsMethod(bits_activations) if qtypes <= BITS_TYPES else GGUFInt8Method(activations)

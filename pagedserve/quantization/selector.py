@@ -14,18 +14,19 @@ if TYPE_CHECKING:
 # activations (benchmarks/quality.py, configs int8-a8 vs fp32) shows perplexity within +0.5%
 # of fp32's (issue 18's bound); "int8" reads the weights ~2x faster at batch 1 on AVX2.
 DEFAULT_INT8_ACTIVATIONS = "none"
-# What "auto" means for a GGUF file served from its blocks: int8, as llama.cpp multiplies every
-# quantized type (x rounded per block of 32, integer dot products). The K-quant layers then read
-# their weights at ~2.5x the rate of the float path (the float path was bound by widening each
-# weight to float32, not by memory); BENCHMARKS.md has the perplexity cost on the Qwen files.
+# What "auto" means for a GGUF file served from its blocks: int8 activations for the layers held
+# in bit quads (Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 and their mixes: `gemv_bits_q8`, llama.cpp's
+# arithmetic), whose float path was bound by widening every weight to float32 (~2.5x slower);
+# float activations for the int8 / int4 layouts (Q8_0, IQ4_*, Q4_0 / Q4_1 alone), whose float
+# kernels already stream at memory speed. Rounding those too changed SmolLM2's near-tie first
+# token ("The" by 0.08 nats) through its Q8_0 head. "int8" rounds every layer that can be;
+# "none" none. BENCHMARKS.md (session 18) has the perplexity cost on the Qwen files.
 DEFAULT_GGUF_ACTIVATIONS = "int8"
 
 
 def gguf_activations(config: QuantizationConfig | None) -> str:
-    """The activations of a GGUF file's layers served from its blocks ("int8" or "none")."""
-    if config is None or config.activations == "auto":
-        return DEFAULT_GGUF_ACTIVATIONS
-    return config.activations
+    """A GGUF file's activations setting: "auto" (see DEFAULT_GGUF_ACTIVATIONS), "int8" or "none"."""
+    return "auto" if config is None else config.activations
 
 
 def get_linear_method(config: QuantizationConfig) -> LinearMethod:

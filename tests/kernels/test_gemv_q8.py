@@ -153,8 +153,9 @@ def test_config_activations_setting() -> None:
     assert get_linear_method(QuantizationConfig("int8", activations="none")).activations == "none"
     with pytest.raises(ValueError, match="group-wise quantization='int8' and to quantization='gguf' only"):
         QuantizationConfig("int4", activations="int8")
-    # a GGUF file's activations: int8 by default (llama.cpp's arithmetic), or as chosen
-    assert gguf_activations(None) == gguf_activations(QuantizationConfig("gguf")) == DEFAULT_GGUF_ACTIVATIONS == "int8"
+    # a GGUF file's activations: "auto" (int8 for its bit-quad layers, llama.cpp's arithmetic), or as chosen
+    assert gguf_activations(None) == gguf_activations(QuantizationConfig("gguf")) == "auto"
+    assert DEFAULT_GGUF_ACTIVATIONS == "int8"
     assert gguf_activations(QuantizationConfig("gguf", activations="none")) == "none"
     with pytest.raises(ValueError, match="quantization_activations needs quantization="):
         ModelConfig("m.gguf", quantization_activations="none")

@@ -148,14 +148,20 @@ def _every_layer(_name: str) -> bool:
 @pytest.mark.skipif(gemv.gemv_ops() is None, reason="int8 activations need the GEMV kernel")
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q5_0", "Q5_1", "IQ4_NL"])
 def test_int8_activations_equal_transformers_with_rounded_inputs(tmp_path, qtype: str):
-    """The default: every linear layer (head included) of a file of one of these types rounds
-    its input to int8 per block of 32 (bit quads x q8 for <= 6-bit types, int8 quads x q8 for
-    IQ4_NL's float16 scales); prefill (37 rows) and decode steps alike.
+    """The default: every linear layer (head included) of a file of one of the <= 6-bit types
+    rounds its input to int8 per block of 32 (bit quads x q8); prefill (37 rows) and decode
+    steps alike. IQ4_NL (int8 tiles, float16 scales) keeps float activations by default and
+    rounds them (int8 quads x q8) when asked.
 
     Not Q6_K here: this random Q6_K model is chaotic under rounding (x times 1 + 1e-6 noise
     before the rounding moves its logprobs by ~0.7 nats), so the float order of a sum flips a
     greedy token; tests/kernels/test_gguf_kernels.py checks its layers against gguf's values."""
     path = _file(tmp_path, qtype)
+    if qtype == "IQ4_NL":
+        assert _engine_greedy(path, PROMPTS) == _hf_greedy(path, PROMPTS)
+        asked = {"quantization": "gguf", "quantization_activations": "int8"}
+        assert _engine_greedy(path, PROMPTS, **asked) == _hf_greedy(path, PROMPTS, rounded=_every_layer)
+        return
     assert _engine_greedy(path, PROMPTS) == _hf_greedy(path, PROMPTS, rounded=_every_layer)
 
 
