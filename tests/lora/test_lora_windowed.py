@@ -69,7 +69,7 @@ def save_random_model(config: PretrainedConfig, path: Path) -> None:
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def checkpoint(request, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp(request.param)
+    path = tmp_path_factory.mktemp("lora-windowed") / request.param  # the name is the config's key
     save_random_model(CONFIGS[request.param], path)
     return path
 
