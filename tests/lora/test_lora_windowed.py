@@ -18,35 +18,16 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    Gemma2Config,
-    Gemma3TextConfig,
-    MistralConfig,
     PretrainedConfig,
 )
+from windowed_configs import CONFIGS
 
 from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.core.hybrid_kv_manager import HybridKVCacheManager
 
 from lora_utils import make_peft_adapter
 
-WINDOW, BLOCK, NEW_TOKENS = 16, 4, 24
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-CONFIGS: dict[str, PretrainedConfig] = {
-    "gemma3": Gemma3TextConfig(
-        **TINY, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
-        layer_types=["sliding_attention"] * 5 + ["full_attention"],
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-        },
-    ),
-    "gemma2": Gemma2Config(
-        **TINY, num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
-        attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
-    ),
-    "mistral": MistralConfig(**TINY, num_hidden_layers=2, sliding_window=WINDOW),
-}
+BLOCK, NEW_TOKENS = 4, 24
 # Cache tensors per model: a page is 1 layer (Gemma 3), 2 (Gemma 2), every layer (Mistral).
 NUM_CACHES = {"gemma3": 1, "gemma2": 2, "mistral": 2}
 ADAPTERS = [("all8", 8, "all-linear"), ("qv4", 4, ["q_proj", "v_proj"])]  # (name, rank, targets)
