@@ -141,3 +141,27 @@ def peft_greedy(base_model_path: str, adapter_path: str, prompt: list[int], new_
         do_sample=False, pad_token_id=model.config.pad_token_id,
     )
     return out[0, len(prompt):].tolist()
+
+
+def peft_eager(model_path, adapter_path: str | None):
+    """transformers (float32, eager attention) on `model_path`, with the PEFT adapter applied."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="eager")
+    if adapter_path is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_path)
+    return model.eval()
+
+
+def hf_greedy_tokens(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """Exactly `new_tokens` greedy tokens after `prompt` (EOS not allowed to end early)."""
+    import torch
+
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -27,7 +27,7 @@ from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.demo_models import get_tokenizer_path
 from pagedserve.lora.peft_loader import LoRALoadError
 
-from lora_utils import make_peft_adapter
+from lora_utils import hf_greedy_tokens, make_peft_adapter, peft_eager
 from server_fixtures import SERVE_ARGS, running_server
 
 VOCAB, NEW_TOKENS = 1024, 16
@@ -63,20 +63,11 @@ def adapter(root: Path, rank: int, targets: list[str] | str, seed: int) -> str:
 
 
 def eager(root: Path, adapter_path: str | None) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32, attn_implementation="eager")
-    if adapter_path is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter_path)
-    return model.eval()
+    return peft_eager(root / "model", adapter_path)
 
 
-@torch.inference_mode()
 def greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                         min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy_tokens(model, prompt, NEW_TOKENS)
 
 
 def prompts(lengths: list[int]) -> list[list[int]]:

@@ -25,7 +25,7 @@ from windowed_configs import CONFIGS
 from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.core.hybrid_kv_manager import HybridKVCacheManager
 
-from lora_utils import make_peft_adapter
+from lora_utils import hf_greedy_tokens, make_peft_adapter, peft_eager
 
 BLOCK, NEW_TOKENS = 4, 24
 # Cache tensors per model: a page is 1 layer (Gemma 3), 2 (Gemma 2), every layer (Mistral).
@@ -56,20 +56,11 @@ def checkpoint(request, tmp_path_factory) -> Path:
 
 
 def eager(path: Path, adapter: str | None) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter)
-    return model.eval()
+    return peft_eager(path, adapter)
 
 
-@torch.inference_mode()
 def greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                         min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy_tokens(model, prompt, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
