@@ -1154,7 +1154,23 @@ inline void quad_fold(__m256 (*sums)[2], __m256i (*acc)[2], const float* d, int6
   }
 }
 
+// AVX512-VNNI (Ice Lake, Zen 4 and later): a tile's 16 channels in one 512-bit vector. A block
+// octet's 64 bytes (both halves) are one load, one vpdpbusd does a row's 64 products, and a
+// row's integer and float accumulators are one register each, so a register block holds 12
+// rows (24 accumulators beside 2 weight vectors, 2 broadcasts and the group's s, l0): half the
+// instructions per product of the 256-bit code, and the weights unpacked half as often. Zen 4
+// runs 512-bit operations as two 256-bit halves; what it saves is instructions, not ALU work.
+// `-DPAGEDSERVE_QUADS_512=0` builds the 256-bit code instead (benchmarks/bits_q8_width.py compares).
+#ifndef PAGEDSERVE_QUADS_512
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PAGEDSERVE_QUADS_512 1
+#else
+#define PAGEDSERVE_QUADS_512 0
+#endif
+#endif
+
 // MT rows times tile t (all K): tot[i * 16 + j]. `group`: 16 or 32.
+#if !PAGEDSERVE_QUADS_512
 template <int Bits, int MT, class Params>
 inline void quad_tile_rows(const uint8_t* qt, const int8_t* xq, const float* dx, const float* xs, int64_t K,
                            int64_t group, const Params& params, int64_t t, float* tot, bool prefetch,
@@ -1191,11 +1207,120 @@ inline void quad_tile_rows(const uint8_t* qt, const int8_t* xq, const float* dx,
     _mm256_storeu_ps(tot + i * kTile + 8, sums[i][1]);
   }
 }
+#endif  // !PAGEDSERVE_QUADS_512
 
-// Rows per register block: AVX-512VL's 32 registers hold 6 rows' 12 integer and 12 float
-// accumulators beside the 4 weight vectors and 2 broadcasts; AVX2's 16 take 2 (4 rows spill).
+#if PAGEDSERVE_QUADS_512
+template <int Bits>
+struct BitQuads512 {
+  template <int S>
+  static inline __m512i shift(__m512i v) {
+    if constexpr (S > 0) return _mm512_slli_epi16(v, S);
+    else if constexpr (S < 0) return _mm512_srli_epi16(v, -S);
+    else return v;
+  }
+  // a | (b & c), one instruction
+  static inline __m512i or_and(__m512i a, __m512i b, __m512i c) { return _mm512_ternarylogic_epi32(a, b, c, 0xF8); }
+  // Octet O of the block at `blk`, 16 channels: k 8O..8O+3 (lo) and 8O+4..8O+7 (hi); the same
+  // bytes BitQuads<Bits>::get reads as two halves.
+  template <int O>
+  static inline void get(const uint8_t* blk, __m512i& lo, __m512i& hi) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512i n = _mm512_loadu_si512(blk + O * 64);
+    lo = _mm512_and_si512(n, m4);
+    hi = _mm512_and_si512(_mm512_srli_epi16(n, 4), m4);
+    if constexpr (Bits == 5) {
+      const __m512i hb = _mm512_loadu_si512(blk + 256), bit = _mm512_set1_epi8(16);
+      lo = or_and(lo, shift<4 - 2 * O>(hb), bit);
+      hi = or_and(hi, shift<3 - 2 * O>(hb), bit);
+    } else if constexpr (Bits == 6) {
+      const __m512i hb = _mm512_loadu_si512(blk + 256 + (O / 2) * 64), two = _mm512_set1_epi8(0x30);
+      lo = or_and(lo, shift<4 - 4 * (O % 2)>(hb), two);
+      hi = or_and(hi, shift<2 - 4 * (O % 2)>(hb), two);
+    }
+  }
+};
+
+template <int Bits, int MT, int G8, int O0>
+inline void quad_group512(const uint8_t* blk, const int8_t* xq, int64_t K, __m512i* acc) {
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_si512();
+  auto octet = [&](auto oc) {
+    constexpr int O = decltype(oc)::value;
+    __m512i lo, hi;
+    BitQuads512<Bits>::template get<O>(blk, lo, hi);
+    PAGEDSERVE_UNROLL
+    for (int i = 0; i < MT; ++i) {
+      int32_t a, b;
+      std::memcpy(&a, xq + i * K + 8 * O, 4);
+      std::memcpy(&b, xq + i * K + 8 * O + 4, 4);
+      acc[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(a)), hi, _mm512_set1_epi32(b));
+    }
+  };
+  octet(std::integral_constant<int, O0>{});
+  octet(std::integral_constant<int, O0 + 1>{});
+  if constexpr (G8 == 4) {
+    octet(std::integral_constant<int, O0 + 2>{});
+    octet(std::integral_constant<int, O0 + 3>{});
+  }
+}
+
+inline __m512 join(__m256 a, __m256 b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+
+template <int MT>
+inline void quad_fold512(__m512* sums, const __m512i* acc, const float* d, int64_t ldd, const float* xs,
+                         int64_t ldxs, __m512 s, __m512 l0) {
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < MT; ++i) {
+    const __m512 dv = _mm512_set1_ps(d[i * ldd]), xv = _mm512_set1_ps(xs[i * ldxs]);
+    sums[i] = _mm512_fmadd_ps(l0, xv, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_mul_ps(s, dv), sums[i]));
+  }
+}
+
+// quad_tile_rows in 512-bit vectors: the same sums in the same order per lane.
+template <int Bits, int MT, class Params>
+inline void quad_tile_rows(const uint8_t* qt, const int8_t* xq, const float* dx, const float* xs, int64_t K,
+                           int64_t group, const Params& params, int64_t t, float* tot, bool prefetch,
+                           const NextTile& next) {
+  constexpr int64_t kB = BitQuads<Bits>::kBlockBytes;
+  const int64_t nb = K / 32, groups = K / group;
+  __m512i acc[MT];
+  __m512 sums[MT];
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < MT; ++i) sums[i] = _mm512_setzero_ps();
+  auto fold = [&](int64_t g, const float* xsg) {
+    __m256 s0, s1, l0, l1;
+    params(t, g, s0, s1, l0, l1);
+    quad_fold512<MT>(sums, acc, dx, nb, xsg, groups, join(s0, s1), join(l0, l1));
+  };
+  for (int64_t b = 0; b < nb; ++b, ++dx) {
+    const uint8_t* blk = qt + b * kB;
+    if (prefetch) prefetch_ahead(blk, kB);
+    next.at(b);
+    const int8_t* xb = xq + b * 32;
+    if (group == 32) {
+      quad_group512<Bits, MT, 4, 0>(blk, xb, K, acc);
+      fold(b, xs + b);
+    } else {
+      quad_group512<Bits, MT, 2, 0>(blk, xb, K, acc);
+      fold(2 * b, xs + 2 * b);
+      quad_group512<Bits, MT, 2, 2>(blk, xb, K, acc);
+      fold(2 * b + 1, xs + 2 * b + 1);
+    }
+  }
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(tot + i * kTile, sums[i]);
+}
+#endif  // PAGEDSERVE_QUADS_512
+
+// Rows per register block: with 512-bit quads 12 (above); AVX-512VL's 32 registers hold 6
+// rows' 12 integer and 12 float 256-bit accumulators beside the 4 weight vectors and 2
+// broadcasts; AVX2's 16 take 2 (4 rows spill).
 #ifndef PAGEDSERVE_QUAD_ROWS
-#if defined(__AVX512VL__)
+#if PAGEDSERVE_QUADS_512
+#define PAGEDSERVE_QUAD_ROWS 12
+#elif defined(__AVX512VL__)
 #define PAGEDSERVE_QUAD_ROWS 6
 #else
 #define PAGEDSERVE_QUAD_ROWS 2
@@ -1210,14 +1335,18 @@ void bits_q8_impl(const at::Tensor& xf, const at::Tensor& q, int64_t groups, con
   const int64_t nb = K / 32;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * nb), xs(M * groups);
-  quantize_rows_q8(xf.data_ptr<float>(), M, K, xq.data(), dx.data());
-  // d * (the group's sum of xq): what the group's level 0 multiplies (exact integer sums)
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      int32_t s = 0;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xq[m * K + k];
-      xs[m * groups + g] = static_cast<float>(s) * dx[m * nb + (g * group) / 32];
-    }
+  // Rows split over the threads: a prefill's x on one thread idled the other ~2% of the op.
+  const int64_t row_grain = std::max<int64_t>(1, (int64_t{1} << 16) / K);
+  at::parallel_for(0, M, row_grain, [&](int64_t m0, int64_t m1) {
+    quantize_rows_q8(xf.data_ptr<float>() + m0 * K, m1 - m0, K, xq.data() + m0 * K, dx.data() + m0 * nb);
+    // d * (the group's sum of xq): what the group's level 0 multiplies (exact integer sums)
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t s = 0;
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xq[m * K + k];
+        xs[m * groups + g] = static_cast<float>(s) * dx[m * nb + (g * group) / 32];
+      }
+  });
   const uint8_t* qd = q.data_ptr<uint8_t>();
   const int64_t tile_bytes = nb * BitQuads<Bits>::kBlockBytes;
   const TileOut out(y, bias, N);
@@ -1240,6 +1369,12 @@ void bits_q8_impl(const at::Tensor& xf, const at::Tensor& q, int64_t groups, con
           quad_tile_rows<Bits, decltype(rows)::value>(qt, xm, dm, sm, K, group, tile_params, t, o, first, next);
         };
         switch (std::min<int64_t>(kQuadRows, M - m)) {
+#if PAGEDSERVE_QUAD_ROWS >= 12
+          case 12: run(std::integral_constant<int, 12>{}); break;
+          case 11: run(std::integral_constant<int, 11>{}); break;
+          case 10: run(std::integral_constant<int, 10>{}); break;
+          case 9: run(std::integral_constant<int, 9>{}); break;
+#endif
 #if PAGEDSERVE_QUAD_ROWS >= 8
           case 8: run(std::integral_constant<int, 8>{}); break;
           case 7: run(std::integral_constant<int, 7>{}); break;

@@ -79,7 +79,7 @@ def _method_name(qtypes: tuple[str, ...]) -> str:
     if set(qtypes) <= K_QUANTS:
         return "gguf-bits"  # the file's super-block parameters
     return "gguf-q4" if set(qtypes) <= FOUR_BIT else "gguf-bits" if set(qtypes) <= BITS else "gguf-int8"
-ROWS = (1, 3, 32, 45, 200)  # one GEMV call; chunks of 32 (up to 128); the GEMM path
+ROWS = (1, 3, 11, 32, 45, 200)  # one GEMV call (11: a partial 12-row block); chunks of 32 (up to 128); the GEMM path
 
 needs_kernel = pytest.mark.skipif(gemv.gemv_ops() is None, reason="GEMV kernel unavailable (no AVX2/FMA)")
 
