@@ -120,7 +120,7 @@ def test_default_layers_equal_the_rounded_product_on_real_activations(gemma_file
     llm = LLM(str(gemma_file), max_model_len=512, kv_cache_memory_bytes=64 << 20)
     inputs: dict[str, torch.Tensor] = {}
     layers = llm.llm_engine.runner.model.model.layers
-    handles = [getattr(layer, part.split(".")[0]).get_submodule(part.split(".")[1]).register_forward_pre_hook(
+    handles = [layer.get_submodule(part).register_forward_pre_hook(
         lambda _m, args, key=f"{i}.{part}": inputs.setdefault(key, args[0].detach().clone()))
         for i, layer in enumerate(layers) for part in FUSED]
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
@@ -131,9 +131,8 @@ def test_default_layers_equal_the_rounded_product_on_real_activations(gemma_file
     for key, x in inputs.items():
         index, part = key.split(".", 1)
         module = layers[int(index)].get_submodule(part)
-        weight = torch.cat([torch.from_numpy(gguf.dequantize(tensors[f"blk.{index}.{name}.weight"].data,
-                                                             tensors[f"blk.{index}.{name}.weight"].tensor_type))
-                            for name in FUSED[part]]).double()
+        shards = [tensors[f"blk.{index}.{name}.weight"] for name in FUSED[part]]
+        weight = torch.cat([torch.from_numpy(gguf.dequantize(t.data, t.tensor_type)) for t in shards]).double()
         x2 = x.reshape(-1, x.shape[-1])
         expected = gemv.q8_round_trip(x2).double() @ weight.t()
         got = module(x).reshape(expected.shape).double()
