@@ -32,6 +32,11 @@ using pagedserve::bf16;
 using pagedserve::from_f;
 using pagedserve::grain_rows;
 using pagedserve::to_f;
+#if defined(PAGEDSERVE_AVX2)
+using pagedserve::load8;
+using pagedserve::round_to;
+using pagedserve::store8;
+#endif
 
 // Calls f(T{}) with T = float or bfloat16 (the checks already refused other dtypes).
 template <class F>
@@ -119,40 +124,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return norm_impl(x, residual, weight, eps, "add_rms_norm");
 }
 
-// exp(x) for float32, branch-free so loops over it vectorize: 2^n * p(r), r in [-ln2/2, ln2/2],
-// a degree-6 polynomial (Cephes' expf coefficients), ~1 ulp; inputs clamped to the finite range.
-inline float exp_f(float x) {
-  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);  // vminps / vmaxps
-  // Round to nearest by the 1.5 * 2^23 trick (|x * log2 e| < 2^22 here): vectorizes, where
-  // std::nearbyint is a libm call.
-  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  float r = std::fma(n, -0.693359375f, x);
-  r = std::fma(n, 2.12194440e-4f, r);
-  float p = 1.9875691500e-4f;
-  p = std::fma(p, r, 1.3981999507e-3f);
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  p = std::fma(p * r, r, r) + 1.f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
-
-#if defined(PAGEDSERVE_AVX2)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) { return pagedserve::load_bf16x8(p); }
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(bf16* p, __m256 v) { pagedserve::store_bf16x8(p, v); }
-// v rounded to T's precision, kept as float (the T(...) of a formula).
-inline __m256 round_to(float, __m256 v) { return v; }
-inline __m256 round_to(bf16, __m256 v) { return pagedserve::round_bf16x8(v); }
-#endif
-
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "silu_and_mul");
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: the last dim must be even");
@@ -165,24 +136,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const scalar_t* gate = xd + r * ld;
-        const scalar_t* up = gate + n;
-        scalar_t* o = od + r * n;
-        int64_t i = 0;
-#if defined(PAGEDSERVE_AVX2)
-        for (; i + 8 <= n; i += 8) {
-          const __m256 g = load8(gate + i);
-          // The vector exp is paged attention's (the loop around the scalar exp_f below did not
-          // vectorize: 8 rows of SmolLM2's SiLU took 50-90 us); the tail keeps exp_f.
-          const __m256 e = pagedserve::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-          const __m256 act = round_to(scalar_t{}, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
-          store8(o + i, _mm256_mul_ps(act, load8(up + i)));
-        }
-#endif
-        for (; i < n; ++i) {
-          const float g = to_f(gate[i]);
-          const float act = to_f(from_f<scalar_t>(g / (1.f + exp_f(-g))));
-          o[i] = from_f<scalar_t>(act * to_f(up[i]));
-        }
+        pagedserve::silu_mul_row(gate, gate + n, od + r * n, n);
       }
     });
   });

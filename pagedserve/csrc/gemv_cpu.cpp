@@ -54,6 +54,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -402,6 +403,7 @@ struct TileOut {
       : yf(y.scalar_type() == at::kBFloat16 ? nullptr : y.data_ptr<float>()),
         yb(y.scalar_type() == at::kBFloat16 ? reinterpret_cast<c10::BFloat16*>(y.data_ptr()) : nullptr),
         bias(b), N(n) {}
+  TileOut(float* f, c10::BFloat16* b16, int64_t n) : yf(f), yb(b16), bias(nullptr), N(n) {}
   // y[m, 16 t + j] = tot[m * 16 + j] (+ bias), rounded once to y's dtype, 8 lanes at a time
   // (a scalar bf16 conversion per element cost SmolLM2's 8-row bf16 LM head ~0.5 ms of 6.7).
   inline void store(const float* tot, int64_t M, int64_t t) const {
@@ -497,31 +499,37 @@ inline void tile_dpbf16(const uint32_t* x, int64_t ldx, int64_t pairs, const uin
 
 // Rows in blocks of up to 8 (8 accumulators + the weight + a broadcast of 32 registers); the
 // first block streams the tile, every block requests its share of the next (see NextTile).
+// M rows (k-pairs `pairs` uint32 apart) times the tile at wt: sums[m * 16 + j].
+inline void dpbf16_tile(const uint32_t* xp, int64_t M, int64_t pairs, const uint16_t* wt, float* sums) {
+  const int64_t tile_bytes = pairs * 64, blocks = (M + 7) / 8;
+  for (int64_t m = 0, block = 0; m < M; m += 8, ++block) {
+    const NextTile next = NextTile::share(wt + pairs * 32, tile_bytes, pairs, block, blocks);
+    const uint32_t* xm = xp + m * pairs;
+    float* o = sums + m * kTile;
+    const bool first = block == 0;
+    switch (std::min<int64_t>(8, M - m)) {
+      case 8: tile_dpbf16<8>(xm, pairs, pairs, wt, o, first, next); break;
+      case 7: tile_dpbf16<7>(xm, pairs, pairs, wt, o, first, next); break;
+      case 6: tile_dpbf16<6>(xm, pairs, pairs, wt, o, first, next); break;
+      case 5: tile_dpbf16<5>(xm, pairs, pairs, wt, o, first, next); break;
+      case 4: tile_dpbf16<4>(xm, pairs, pairs, wt, o, first, next); break;
+      case 3: tile_dpbf16<3>(xm, pairs, pairs, wt, o, first, next); break;
+      case 2: tile_dpbf16<2>(xm, pairs, pairs, wt, o, first, next); break;
+      default: tile_dpbf16<1>(xm, pairs, pairs, wt, o, first, next); break;
+    }
+  }
+}
+
+// Rows in blocks of up to 8 (8 accumulators + the weight + a broadcast of 32 registers); the
+// first block streams the tile, every block requests its share of the next (see NextTile).
 inline void dense_dpbf16(const at::Tensor& x, const uint16_t* w, int64_t tiles, const at::Tensor& bias,
                          at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = tiles * kTile, pairs = K / 2;
   const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
   at::Tensor bf = bias.defined() ? bias.to(at::kFloat).contiguous() : bias;
   const TileOut out(y, bf.defined() ? bf.data_ptr<float>() : nullptr, N);
-  const int64_t tile_bytes = pairs * 64, blocks = (M + 7) / 8;
-  for_tiles(tiles, tile_bytes, M, [&](int64_t t, float* sums) {
-    const uint16_t* wt = w + t * pairs * 32;
-    for (int64_t m = 0, block = 0; m < M; m += 8, ++block) {
-      const NextTile next = NextTile::share(wt + pairs * 32, tile_bytes, pairs, block, blocks);
-      const uint32_t* xm = xp + m * pairs;
-      float* o = sums + m * kTile;
-      const bool first = block == 0;
-      switch (std::min<int64_t>(8, M - m)) {
-        case 8: tile_dpbf16<8>(xm, pairs, pairs, wt, o, first, next); break;
-        case 7: tile_dpbf16<7>(xm, pairs, pairs, wt, o, first, next); break;
-        case 6: tile_dpbf16<6>(xm, pairs, pairs, wt, o, first, next); break;
-        case 5: tile_dpbf16<5>(xm, pairs, pairs, wt, o, first, next); break;
-        case 4: tile_dpbf16<4>(xm, pairs, pairs, wt, o, first, next); break;
-        case 3: tile_dpbf16<3>(xm, pairs, pairs, wt, o, first, next); break;
-        case 2: tile_dpbf16<2>(xm, pairs, pairs, wt, o, first, next); break;
-        default: tile_dpbf16<1>(xm, pairs, pairs, wt, o, first, next); break;
-      }
-    }
+  for_tiles(tiles, pairs * 64, M, [&](int64_t t, float* sums) {
+    dpbf16_tile(xp, M, pairs, w + t * pairs * 32, sums);
     out.store(sums, M, t);
   });
 }
@@ -1468,6 +1476,158 @@ at::Tensor gemv_dense(const at::Tensor& x_in, const at::Tensor& w, const c10::op
   return y;
 }
 
+// ---- a sparse MoE layer's experts in one call ------------------------------------------------
+//
+// x (T, H), each token's k experts `ids` (T, k) and router weights (T, k) ->
+//   out[t] = sum over its pairs, in ascending expert order, of w * down_e(silu(gate_e x) * up_e x)
+// with every expert's weights in stacked pair tiles: gu (E, 2I/16, H/2, 16, 2) (rows | gate | up |)
+// and down (E, H/16, I/2, 16, 2). The arithmetic of FusedMoE's per-expert path (gemv_dense,
+// silu_and_mul, gemv_dense, a weighted index_add_), each result rounded to x's dtype where that
+// path's would be; what it saves is that path's ~3 dispatches and 2 parallel regions per expert:
+// a batch-16 step of a 64-expert layer runs ~56 experts, ~170 calls a layer.
+
+// The pairs of one expert, rows [first, first + rows) of the expert-sorted order.
+struct ExpertRows {
+  int64_t expert, first, rows;
+};
+
+// y[first..] (rows x N) = xin[first..] (rows x K) times expert e's tiles, for every group: one
+// parallel region over every (group, tile), each a stretch of one expert's weight.
+template <class Elem>
+void experts_gemv(const at::Tensor& xin, const Elem* w, int64_t tiles, const std::vector<ExpertRows>& groups,
+                  at::Tensor& y) {
+  const int64_t K = xin.size(1), N = tiles * kTile, tile_elems = K * kTile;
+  const bool bf16_out = y.scalar_type() == at::kBFloat16;
+  auto* yf = bf16_out ? nullptr : y.data_ptr<float>();
+  auto* yb = bf16_out ? reinterpret_cast<c10::BFloat16*>(y.data_ptr()) : nullptr;
+  const int64_t items = static_cast<int64_t>(groups.size()) * tiles;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{32} << 10) / (tile_elems * static_cast<int64_t>(sizeof(Elem))));
+#if PAGEDSERVE_DENSE_DPBF16
+  const bool dpbf16 = std::is_same_v<Elem, uint16_t> && xin.scalar_type() == at::kBFloat16;
+#else
+  const bool dpbf16 = false;
+#endif
+  const at::Tensor xf = dpbf16 ? xin : x_as_float(xin, false).contiguous();
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    float sums[kMaxRows * kTile];
+    for (int64_t i = i0; i < i1; ++i) {
+      const ExpertRows& g = groups[i / tiles];
+      const int64_t t = i % tiles;
+      const Elem* wt = w + (g.expert * tiles + t) * tile_elems;
+#if PAGEDSERVE_DENSE_DPBF16
+      if constexpr (std::is_same_v<Elem, uint16_t>) {
+        if (dpbf16) {
+          const auto* xp = reinterpret_cast<const uint32_t*>(xf.data_ptr()) + g.first * (K / 2);
+          dpbf16_tile(xp, g.rows, K / 2, wt, sums);
+        }
+      }
+#endif
+      if (!dpbf16) {
+        const float* xd = xf.data_ptr<float>() + g.first * K;
+        if constexpr (std::is_same_v<Elem, float>) tile_all_rows(xd, g.rows, K, LoadF32{wt}, sums);
+        else tile_all_rows(xd, g.rows, K, LoadBF16{wt}, sums);
+      }
+      const TileOut out(yf ? yf + g.first * N : nullptr, yb ? yb + g.first * N : nullptr, N);
+      out.store(sums, g.rows, t);
+    }
+  });
+}
+
+template <class T>
+void moe_combine(const at::Tensor& ys, const std::vector<int64_t>& order, int64_t k, const at::Tensor& weights,
+                 at::Tensor& out) {
+  const int64_t H = ys.size(1);
+  const T* yd = ys.data_ptr<T>();
+  const T* wd = weights.data_ptr<T>();
+  T* od = out.data_ptr<T>();
+  // Sorted pair i adds to its token's row: pairs of one token come in ascending expert order,
+  // as the per-expert path's index_add_ adds them; each product and sum rounded to T as there.
+  at::parallel_for(0, H, std::max<int64_t>(16, H / 8), [&](int64_t c0, int64_t c1) {
+    for (size_t i = 0; i < order.size(); ++i) {
+      const float w = pagedserve::to_f(wd[order[i]]);
+      T* o = od + (order[i] / k) * H;
+      const T* y = yd + static_cast<int64_t>(i) * H;
+      for (int64_t c = c0; c < c1; ++c) {
+        const float product = pagedserve::to_f(pagedserve::from_f<T>(pagedserve::to_f(y[c]) * w));
+        o[c] = pagedserve::from_f<T>(pagedserve::to_f(o[c]) + product);
+      }
+    }
+  });
+}
+
+at::Tensor gemv_moe(const at::Tensor& x_in, const at::Tensor& gu, const at::Tensor& down, const at::Tensor& ids,
+                    const at::Tensor& weights) {
+  const at::Tensor x = rows_view(x_in, "gemv_moe").contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "gemv_moe: x must be float32 or bfloat16");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(T <= kMaxRows, "gemv_moe: at most ", kMaxRows, " rows");
+  TORCH_CHECK(gu.dim() == 5 && gu.is_contiguous() && gu.size(2) * 2 == H && gu.size(3) == kTile && gu.size(4) == 2 &&
+                  gu.size(1) % 2 == 0,
+              "gemv_moe: gu must be contiguous stacked pair tiles (E, 2I/16, H/2, 16, 2)");
+  const int64_t E = gu.size(0), I = gu.size(1) * kTile / 2;
+  TORCH_CHECK(down.dim() == 5 && down.is_contiguous() && down.size(0) == E && down.size(1) * kTile == H &&
+                  down.size(2) * 2 == I && down.size(3) == kTile && down.size(4) == 2,
+              "gemv_moe: down must be contiguous stacked pair tiles (E, H/16, I/2, 16, 2)");
+  TORCH_CHECK(gu.scalar_type() == down.scalar_type() &&
+                  (gu.scalar_type() == at::kFloat || gu.scalar_type() == at::kBFloat16),
+              "gemv_moe: gu and down must be both float32 or both bfloat16");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.scalar_type() == at::kLong, "gemv_moe: ids must be int64 (T, k)");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == x.scalar_type(),
+              "gemv_moe: weights must be (T, k) in x's dtype");
+  at::Tensor out = at::zeros({T, H}, x.options());
+#if defined(PAGEDSERVE_AVX2)
+  const int64_t k = ids.size(1), P = T * k;
+  if (P == 0) return out.view(out_shape(x_in, H));
+  const at::Tensor id = ids.contiguous(), wt = weights.contiguous();
+  const int64_t* idp = id.data_ptr<int64_t>();
+  // A counting sort by expert, pairs in token order within one: a stable argsort's order.
+  std::vector<int64_t> start(E + 1, 0), order(P);
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "gemv_moe: expert id ", idp[p], " out of range [0, ", E, ")");
+    ++start[idp[p] + 1];
+  }
+  std::vector<ExpertRows> groups;
+  for (int64_t e = 0; e < E; ++e) {
+    if (start[e + 1]) groups.push_back({e, start[e], start[e + 1]});
+    start[e + 1] += start[e];
+  }
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t p = 0; p < P; ++p) order[next[idp[p]]++] = p;
+  at::Tensor xs = at::empty({P, H}, x.options());
+  const int64_t row_bytes = H * static_cast<int64_t>(x.element_size());
+  for (int64_t i = 0; i < P; ++i)
+    std::memcpy(static_cast<char*>(xs.data_ptr()) + i * row_bytes,
+                static_cast<const char*>(x.data_ptr()) + (order[i] / k) * row_bytes, row_bytes);
+  at::Tensor h = at::empty({P, 2 * I}, x.options()), a = at::empty({P, I}, x.options());
+  at::Tensor ys = at::empty({P, H}, x.options());
+  const bool bf16_w = gu.scalar_type() == at::kBFloat16;
+  auto run = [&](const at::Tensor& xin, const at::Tensor& w, at::Tensor& y) {
+    if (bf16_w) experts_gemv(xin, reinterpret_cast<const uint16_t*>(w.data_ptr()), w.size(1), groups, y);
+    else experts_gemv(xin, w.data_ptr<float>(), w.size(1), groups, y);
+  };
+  run(xs, gu, h);
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* hd = reinterpret_cast<const c10::BFloat16*>(h.data_ptr());
+    auto* ad = reinterpret_cast<c10::BFloat16*>(a.data_ptr());
+    at::parallel_for(0, P, pagedserve::grain_rows(2 * I), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) pagedserve::silu_mul_row(hd + r * 2 * I, hd + r * 2 * I + I, ad + r * I, I);
+    });
+  } else {
+    const float* hd = h.data_ptr<float>();
+    float* ad = a.data_ptr<float>();
+    at::parallel_for(0, P, pagedserve::grain_rows(2 * I), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) pagedserve::silu_mul_row(hd + r * 2 * I, hd + r * 2 * I + I, ad + r * I, I);
+    });
+  }
+  run(a, down, ys);
+  if (x.scalar_type() == at::kBFloat16) moe_combine<c10::BFloat16>(ys, order, k, wt, out);
+  else moe_combine<float>(ys, order, k, wt, out);
+#else
+  TORCH_CHECK(false, "gemv_moe: this build has no AVX2/FMA support");
+#endif
+  return out.view(out_shape(x_in, H));
+}
+
 at::Tensor gemv_int8(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scale,
                      const c10::optional<at::Tensor>& bias) {
   const at::Tensor x = rows_view(x_in, "gemv_int8");
@@ -1732,6 +1892,7 @@ TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
   m.def("gemv_int8_q8(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
   m.def("gemv_bits_q8(Tensor x, Tensor q, Tensor params, Tensor? bias) -> Tensor");
   m.def("gemv_dequant_tiles(Tensor q, Tensor scales) -> Tensor");
+  m.def("gemv_moe(Tensor x, Tensor gu, Tensor down, Tensor ids, Tensor weights) -> Tensor");
   m.def("available() -> bool", &available);
   m.def("max_rows() -> int", &max_rows);
   m.impl("gemv_dense", c10::DispatchKey::CPU, &gemv_dense);
@@ -1741,4 +1902,5 @@ TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
   m.impl("gemv_int8_q8", c10::DispatchKey::CPU, &gemv_int8_q8);
   m.impl("gemv_bits_q8", c10::DispatchKey::CPU, &gemv_bits_q8);
   m.impl("gemv_dequant_tiles", c10::DispatchKey::CPU, &gemv_dequant_tiles);
+  m.impl("gemv_moe", c10::DispatchKey::CPU, &gemv_moe);
 }

@@ -98,6 +98,31 @@ def test_moe_block_matches_hf(norm_topk_prob: bool) -> None:
     torch.testing.assert_close(got, hf(x[None])[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 32])
+@torch.inference_mode()
+def test_loaded_moe_block_at_decode_sizes_matches_hf(root: Path, dtype: torch.dtype, tokens: int) -> None:
+    """A loaded sparse layer at decode sizes (up to gemv.MAX_ROWS tokens: the whole layer is
+    one `gemv_moe` call on the experts' stacked tiles) against transformers' block on the
+    same weights, in the same dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.quantization import gemv
+
+    path = _checkpoint("moe", root)
+    model, config = load_model(path, dtype, torch.device("cpu"))
+    ours = model.model.layers[0].mlp
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).model.layers[0].mlp
+    x = torch.randn(tokens, config.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    got = ours(x)
+    if gemv.gemv_ops() is not None:
+        assert ours.experts.stacked_tiles is not None, "the fused decode path is in use"
+    # bf16: each of transformers' roundings is ours; the sums' order is not, which may move
+    # a result by one bf16 ulp (2^-8 relative; AVX512-BF16 here gives transformers' bits).
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (8e-3, 1e-3)
+    torch.testing.assert_close(got, hf(x[None])[0], rtol=rtol, atol=atol)
+
+
 def test_prefill_and_incremental_match_hf(checkpoint: Path) -> None:
     model, config = load_model(checkpoint, torch.float32, torch.device("cpu"))
     loaded_bytes = weight_bytes(model)

@@ -113,16 +113,20 @@ class FusedMoE(nn.ModuleList):
     """The experts of one sparse layer (`experts.E` as in the checkpoint), run grouped by
     expert over a step's tokens (module docstring).
 
-    An expert given at most gemv.MAX_ROWS rows (every expert of a decode step up to
-    MAX_ROWS / k tokens) calls its methods' GEMV ops directly: the same ops `apply` would
-    call, without three Python dispatches per projection, which at batch 1 cost as much as
-    the expert's 0.4 MB of weights take to stream. They are looked up on the first forward,
-    after loading has processed the weights (as the C++ decoder loop captures them).
+    At decode sizes (at most gemv.MAX_ROWS tokens) with float32 / bfloat16 experts (every
+    expert's gate_up and down calls are `gemv_dense`), the whole layer is one C++ call,
+    `gemv_moe`: the per-expert loop below cost ~3 dispatches and 2 parallel regions an expert,
+    ~170 calls for the ~56 experts a batch-16 step of a 64-expert layer reads, more than the
+    expert weights took to stream (benchmarks/moe_vs_dense.py, batch 16, 2 threads: a step
+    in 12.6 ms against 22.9).
+    Other experts (int8 / int4 / GGUF methods) at decode sizes call their methods' GEMV ops
+    directly, without the Python dispatches of `apply`.
 
-    At that point the experts' weight buffers (the GEMV tiles the methods derive) also move
-    into one (E, ...) tensor per projection, each expert's buffer a view of it: a batch-16
-    step reads ~56 of 64 experts, and one contiguous block streamed 1.4-1.6x faster than 64
-    separate allocations did (8 layers' expert GEMVs, 2-core EPYC: 22-26 ms against 35-37).
+    Both paths read the experts' weight buffers (the GEMV tiles the methods derive) from one
+    (E, ...) tensor per projection, each expert's buffer a view of it, made on the first forward
+    (after loading): a batch-16 step reads ~56 of 64 experts, and one contiguous block streamed
+    1.4-1.6x faster than 64 separate allocations did (8 layers' expert GEMVs, 2-core EPYC:
+    22-26 ms against 35-37).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
@@ -130,19 +134,46 @@ class FusedMoE(nn.ModuleList):
         self.num_experts = num_experts
         self.tp: TPGroup = current_tp()
         self.calls: list[ExpertCalls | None] = []
+        # Every expert's gate_up and down pair tiles, stacked, when both run `gemv_dense`: the
+        # whole layer is then one `gemv_moe` call at decode sizes.
+        self.stacked_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.ops: Any = None
 
     def _decode_calls(self) -> list[ExpertCalls | None]:
         if not self.calls:
-            self._stack_buffers()
-            ops = gemv.gemv_ops()
+            stacked = self._stack_buffers()
+            self.ops = ops = gemv.gemv_ops()
             self.calls = [expert.decode_calls(ops) for expert in cast(list[ExpertMLP], self)]
+            self.stacked_tiles = self._dense_tiles(stacked)
         return self.calls
 
-    def _stack_buffers(self) -> None:
+    def _dense_tiles(self, stacked: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up, down) stacked pair tiles when every expert's decode calls are `gemv_dense`
+        on views of them, in expert order; else None."""
+        ops = self.ops
+        if ops is None or not hasattr(ops, "gemv_moe") or any(
+                call is None or call[0] is not ops.gemv_dense or call[2] is not ops.gemv_dense
+                for call in self.calls):
+            return None
+        calls = cast(list[ExpertCalls], self.calls)
+        found = []
+        for side, candidates in ((1, stacked[0]), (3, stacked[1])):
+            match = [t for t in candidates if t.dim() == 5 and all(
+                call[side][0] is not None and call[side][0].data_ptr() == t[e].data_ptr()  # type: ignore[union-attr]
+                and call[side][0].shape == t[e].shape for e, call in enumerate(calls))]  # type: ignore[union-attr]
+            if not match:
+                return None
+            found.append(match[0])
+        return found[0], found[1]
+
+    def _stack_buffers(self) -> list[list[torch.Tensor]]:
         """Each projection's buffers, stacked over experts where every expert has the buffer
-        with one shape and dtype; parameters (the loaded weights) stay where they are."""
+        with one shape and dtype; parameters (the loaded weights) stay where they are.
+        Returns the stacked tensors, per projection (gate_up, down)."""
         experts = cast(list[ExpertMLP], self)
+        made: list[list[torch.Tensor]] = []
         for layers in ([e.gate_up_proj for e in experts], [e.down_proj for e in experts]):
+            made.append([])
             buffers = [dict(layer.named_buffers(recurse=False)) for layer in layers]
             for name in buffers[0]:
                 parts = [t for t in (b.get(name) for b in buffers) if t is not None]
@@ -152,11 +183,17 @@ class FusedMoE(nn.ModuleList):
                         for t in parts):
                     continue
                 stacked = torch.stack(parts)
+                made[-1].append(stacked)
                 for layer, view in zip(layers, stacked.unbind(0), strict=True):
                     setattr(layer, name, view)
+        return made
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """x (T, hidden), router weights (T, k), expert ids (T, k) -> (T, hidden)."""
+        calls = self._decode_calls()
+        if self.stacked_tiles is not None and x.dtype in gemv.X_DTYPES and x.shape[0] <= gemv.MAX_ROWS:
+            gate_up, down = self.stacked_tiles
+            return self.tp.all_reduce(self.ops.gemv_moe(x, gate_up, down, ids, weights))
         k = ids.shape[1]
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)  # (T * k,) pair indices, grouped by expert
@@ -165,7 +202,6 @@ class FusedMoE(nn.ModuleList):
         tokens = order // k  # the token of each sorted pair
         xs = x.index_select(0, tokens)  # (T * k, hidden)
         decode = x.dtype in gemv.X_DTYPES
-        calls = self._decode_calls()
         parts, start = [], 0
         for expert, rows, call in zip(cast(list[ExpertMLP], self), counts, calls, strict=True):
             if not rows:
