@@ -83,6 +83,7 @@ class StudySettings:
     workload: str = "alpaca"  # latency: Alpaca-like lengths (prompt ~19, output ~58 tokens)
     num_requests: int = 64  # per latency, memory and LoRA cell
     rate_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    peer_rate_fractions: tuple[float, ...] = ()  # the peer part's rates (over HTTP, wall time); () = rate_fractions
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     prompt_len: int = 64  # batch, quant and lora cells: every request prompt_len / output_len
     output_len: int = 32
@@ -92,6 +93,7 @@ class StudySettings:
     quant_requests: int = 8
     memory_workload: str = "sharegpt"
     memory_kv_tokens: int = 8192  # small enough that the trace fills it: memory is the bottleneck
+    lora_models: tuple[str, ...] = ()  # the LoRA part's base models; () = every model
     lora_counts: tuple[int, ...] = (1, 4, 16, 64, 256)
     lora_ranks: tuple[str, ...] = ("8", "16", "64", "mixed")
     # The LoRA cells' base weights: the file's own (a non-GGUF checkpoint: its dtype), int8, bf16.
@@ -109,16 +111,20 @@ class StudySettings:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in lists}
 
 
-QUICK = StudySettings(num_requests=24, rate_fractions=(0.3, 0.6, 0.9), batch_sizes=(1, 4, 16),
-                      context_lens=(256, 1024), context_output_len=8, quant_levels=("native", "int8", "bfloat16"),
-                      quant_requests=4, lora_counts=(1, 4), lora_ranks=("8",), lora_quant=("native", "int8"),
+# Minutes per model: a real 1.5B model runs ~0.6 requests/s here, and each engine (a quant
+# level, LoRA on) is a load of its own, so QUICK keeps one engine per part where it can, the
+# peer at one rate over HTTP (wall time, not the simulated clock) and the LoRA part to one
+# count and rank on the file's own weights.
+QUICK = StudySettings(num_requests=16, rate_fractions=(0.5, 0.9), peer_rate_fractions=(0.7,), batch_sizes=(1, 4, 16),
+                      context_lens=(256, 1024), context_output_len=8, quant_levels=("native", "int8"),
+                      quant_requests=4, lora_counts=(4,), lora_ranks=("8",), lora_quant=("native",),
                       # ShareGPT-like requests are ~500 tokens: 24 of them take minutes on a 1.5B model
                       memory_workload="alpaca", memory_kv_tokens=1024,
                       repeats=1)
 
 # The list-valued settings a flag of the same name overrides -> their element type.
-_LIST_FLAGS = {"rate_fractions": float, "batch_sizes": int, "context_lens": int, "quant_levels": str,
-               "lora_counts": int, "lora_ranks": str, "lora_quant": str}
+_LIST_FLAGS = {"rate_fractions": float, "peer_rate_fractions": float, "batch_sizes": int, "context_lens": int,
+               "quant_levels": str, "lora_models": str, "lora_counts": int, "lora_ranks": str, "lora_quant": str}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,9 +133,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--models", default=None,
                        help="comma-separated catalog names (`pagedserve models`), demo models or paths: "
                             "run the per-model study instead of the engine-baseline report")
+    unset = {"peer_rate_fractions": "the rate fractions", "lora_models": "every model"}
     for flag in _LIST_FLAGS:
-        group.add_argument("--" + flag.replace("_", "-"), default=None, help=f"comma-separated (default: {flag} "
-                           f"{','.join(map(str, getattr(StudySettings(), flag)))}; --quick: fewer)")
+        default = ",".join(map(str, getattr(StudySettings(), flag))) or unset[flag]
+        group.add_argument("--" + flag.replace("_", "-"), default=None,
+                           help=f"comma-separated (default: {default}; --quick: {','.join(map(str, getattr(QUICK, flag))) or unset[flag]})")
     group.add_argument("--num-requests", type=int, default=None, help="requests per latency, memory and LoRA cell")
     group.add_argument("--retry-errors", action="store_true", help="rerun cells saved with an error")
     group.add_argument("--peer-server-cmd", default=None,
@@ -162,7 +170,7 @@ def run_study(args: argparse.Namespace) -> int:
     models = parse_list(args.models)
     settings = settings_from_args(args, parse_list(args.parts) if args.parts else None)
     out = Path(args.out_dir)
-    store = CellStore(out, settings.fingerprint())
+    store = study_store(out, settings)
     cells = plan(models, settings)
     if args.render_only:
         records = {c: r for c in cells if (r := store.load(c)) is not None}
@@ -179,6 +187,12 @@ def run_study(args: argparse.Namespace) -> int:
     failed = [c.name for c, r in records.items() if "error" in r["result"]]
     print(f"[study] wrote {path}" + (f"; cells with errors: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+def study_store(out: Path, settings: StudySettings) -> CellStore:
+    """The study folder's cells under these settings and this CPU (a folder resumed on
+    another machine measures its cells again)."""
+    return CellStore(out, {**settings.fingerprint(), "cpu": describe_run()["cpu"]})
 
 
 def study_command(args: argparse.Namespace, parts: tuple[str, ...] | None = None) -> str:
@@ -211,9 +225,9 @@ def plan(models: list[str], s: StudySettings) -> list[Cell]:
                       for q in s.quant_levels],
             "memory": [Cell(m, "memory", "paged", cost=s.num_requests * (500.0 if s.memory_workload == "sharegpt"
                                                                       else 80.0))],
-            "lora": lora_cells(m, s),
+            "lora": lora_cells(m, s) if not s.lora_models or m in s.lora_models else [],
             "peer": [Cell(m, "peer", f"{server} rate={f:g}", {"server": server, "fraction": f}, lat)
-                     for server in SERVERS for f in s.rate_fractions] if s.peer_server_cmd
+                     for server in SERVERS for f in s.peer_rate_fractions or s.rate_fractions] if s.peer_server_cmd
             else [Cell(m, "peer", "llama.cpp", {"server": "llama.cpp"}, cost=0)],
         }
         for part in s.parts:
@@ -328,7 +342,8 @@ class StudyRunner:
         max_len = min(limit, max(2048, longest + s.context_output_len, s.prompt_len + s.output_len))
         most = max(s.batch_sizes, default=1)
         kv_tokens = max(16384, most * (s.prompt_len + s.output_len), max_len) + 256
-        spec = EngineSpec(str(info["path"]), max_model_len=max_len, kv_tokens=kv_tokens, max_num_seqs=max(256, most))
+        spec = EngineSpec(str(info["path"]), max_model_len=max_len, kv_tokens=_pool_tokens(info, kv_tokens),
+                          max_num_seqs=max(256, most))
         return replace(spec, **changes)
 
     # ---- parts ---------------------------------------------------------------------------
@@ -336,9 +351,15 @@ class StudyRunner:
     def _info(self, model: str) -> dict[str, Any]:
         from pagedserve.models.catalog import CATALOG
 
-        engine = self.engine(EngineSpec(self.path(model), max_model_len=128, kv_tokens=512, max_num_seqs=8))
-        hf, kv = engine.runner.hf_config, engine.runner.kv_cache_spec()
+        # 4096 tokens: a model with windowed layers pages each of its layer groups separately
+        # (Gemma 3: 6 groups), and every group needs its blocks for one sequence.
+        engine = self.engine(EngineSpec(self.path(model), max_model_len=128, kv_tokens=4096, max_num_seqs=8))
+        hf, kv, groups = engine.runner.hf_config, engine.runner.kv_cache_spec(), engine.runner.kv_groups
         entry = CATALOG.get(model)
+        # A block is one page of a layer group (all layers without windowed ones): one 8k-token
+        # sequence holds every group's pages but a windowed group's slid-out ones.
+        long_seq = 8192
+        held = groups.blocks_per_sequence(long_seq, kv.block_size, 1) - (1 if groups.hybrid else 0)  # less the null block
         engine.assert_no_leaks()
         return {"path": self.path(model), "title": entry.title if entry else model,
                 "weights": entry.quantization if entry else "float32 (random weights)",
@@ -346,8 +367,11 @@ class StudyRunner:
                 "vocab_size": engine.vocab_size,
                 "max_position_embeddings": int(getattr(hf, "max_position_embeddings", 0) or 2048),
                 "sliding_window": getattr(hf, "sliding_window", None),
-                "num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim,
-                "kv_bytes_per_token": kv.bytes_per_token,
+                "num_layers": kv.num_layers * groups.num_groups, "num_kv_heads": kv.num_kv_heads,
+                "head_dim": kv.head_dim, "kv_bytes_per_token": kv.bytes_per_token * groups.num_groups,
+                "kv_groups": groups.num_groups,
+                "kv_bytes_8k_held": held * kv.bytes_per_block,
+                "kv_bytes_8k_every_block": -(-long_seq // kv.block_size) * groups.num_groups * kv.bytes_per_block,
                 "checkpoint_dtype": _checkpoint_dtype(hf)}
 
     def _run(self, spec: EngineSpec, requests: list[WorkloadRequest], arrivals: list[float] | None = None,
@@ -410,7 +434,8 @@ class StudyRunner:
         dtype, quantization = {"native": ("float32", "gguf" if gguf else None), "int8": ("float32", "int8"),
                                "int4": ("float32", "int4"), "bfloat16": ("bfloat16", None),
                                "float32": ("float32", None)}[level]
-        spec = self._engine_spec(info, dtype=dtype, quantization=quantization)
+        # A GGUF file's blocks are what the loader serves unasked: native is the other parts' engine.
+        spec = self._engine_spec(info, dtype=dtype, quantization=None if level == "native" else quantization)
         requests = fixed(s.quant_requests, s.prompt_len, s.output_len, info["vocab_size"], s.seed)
         label = f"native ({info['weights']})" if level == "native" else level
         return {"label": label, "dtype": dtype, "quantization": quantization,
@@ -419,10 +444,11 @@ class StudyRunner:
     def _memory(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
         s = self.s
         max_len = min(2048, s.memory_kv_tokens, info["max_position_embeddings"])
-        spec = EngineSpec(str(info["path"]), max_model_len=max_len, kv_tokens=s.memory_kv_tokens)
+        spec = EngineSpec(str(info["path"]), max_model_len=max_len, kv_tokens=_pool_tokens(info, s.memory_kv_tokens))
         requests = fit_to_context(synthetic(s.memory_workload, s.num_requests, info["vocab_size"], s.seed), max_len)
         result = self._run(spec, requests, sample_memory=True)
         return {"kv_bytes_per_token": info["kv_bytes_per_token"], "kv_tokens": s.memory_kv_tokens,
+                "kv_bytes_8k_held": info.get("kv_bytes_8k_held"), "kv_bytes_8k_every_block": info.get("kv_bytes_8k_every_block"),
                 "workload": s.memory_workload, "sliding_window": info.get("sliding_window"), **result}
 
     def _lora_spec(self, info: dict[str, Any], quant: str, lora: bool = True) -> EngineSpec:
@@ -529,6 +555,13 @@ class StudyRunner:
             return {"quant": quant, "rank": rank, **self._lora_run(spec, requests, None)}
         finally:
             self.close()
+
+
+def _pool_tokens(info: dict[str, Any], tokens: int) -> int:
+    """EngineSpec.kv_tokens for a pool of as many bytes as `tokens` tokens in every layer: a
+    model with windowed layers (KV groups) has a block per group of layers, so G groups make
+    G times the blocks of one page each, the same bytes (and what it saves shows as room)."""
+    return tokens * int(info.get("kv_groups", 1))
 
 
 def _checkpoint_dtype(hf: Any) -> str:

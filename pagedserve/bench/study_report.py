@@ -40,7 +40,9 @@ SECTIONS = {  # part -> (title, plot file or "", how to read it)
                "A ShareGPT-like trace (Alpaca-like with --quick) in a bounded paged KV pool: bytes of K/V per "
                "token, and how the pool's "
                "memory in use splits into live token states, slots reserved for the next tokens, and "
-               "fragmentation (summed over steps; the vLLM paper's waste breakdown)."),
+               "fragmentation (summed over steps; the vLLM paper's waste breakdown). The last two columns: "
+               "the KV one 8192-token sequence holds once windowed layers have given their slid-out blocks "
+               "back (Gemma's sliding-window saving), against keeping every block."),
     "lora": ("Multi-LoRA: adapter count, rank, base quantization and switching overhead", "lora.png",
              "The same requests (all queued) spread over K random adapters (PEFT layout, q/k/v/o) of rank r; "
              "request i uses adapter i % K, at most 16 resident at once (more are evicted and reloaded). "
@@ -73,6 +75,10 @@ def describe_run() -> dict[str, str]:
     if git("status", "--porcelain", "--untracked-files=no"):
         commit += " (with uncommitted changes)"
     return {"cpu": cpu_description(), "date": datetime.date.today().isoformat(), "commit": commit}
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f}"
 
 
 def write_study_report(out_dir: Path, models: list[str], records: Records, parts: tuple[str, ...],
@@ -182,12 +188,14 @@ TABLES: dict[str, Callable[[list[tuple[Cell, dict]]], str]] = {
                      lambda c, r: [c.model, r.get("label", c.key)],
                      lambda r: [r["output_throughput"], r["ttft_ms"]["median"], r["tpot_ms"]["median"]]),
     "memory": _simple(["model", "KV bytes / token", "KV MiB / 1k tokens", "token states %", "reserved %",
-                       "internal frag. %", "external frag. %", "mean batch", "sliding window"],
+                       "internal frag. %", "external frag. %", "mean batch", "sliding window",
+                       "one 8k-token sequence holds (MiB)", "every block kept (MiB)"],
                       lambda c, r: [c.model],
                       lambda r: [r["kv_bytes_per_token"], r["kv_bytes_per_token"] * 1000 / 2**20,
                                  *(f"{100 * r['memory']['shares'][k]:.1f}"
                                    for k in ("token_states", "reserved", "internal", "external")),
-                                 r["mean_batched_requests"], r["sliding_window"] or "none"]),
+                                 r["mean_batched_requests"], r["sliding_window"] or "none",
+                                 *(_mib(r.get(k)) for k in ("kv_bytes_8k_held", "kv_bytes_8k_every_block"))]),
     "lora": lambda rows: _lora_tables(rows),
     "peer": _peer_table,
 }

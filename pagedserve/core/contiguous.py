@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagedserve.config import KV_ALLOCATIONS
+from pagedserve.core.hybrid_kv_manager import HybridKVCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.kv_manager_base import KVManagerBase, RecomputeOnly
 from pagedserve.request import Request
@@ -381,29 +382,29 @@ class ContiguousKVCacheManager(RecomputeOnly, KVManagerBase):
         self.pool.assert_all_free()
 
 
-def paged_memory_breakdown(kv: KVCacheManager, running: Iterable[Request]) -> MemoryBreakdown:
+def paged_memory_breakdown(kv: KVCacheManager | HybridKVCacheManager, running: Iterable[Request]) -> MemoryBreakdown:
     """`MemoryBreakdown` of a paged manager, read from its block tables and reference counts.
 
     Kept outside `KVCacheManager` (another owner's file); it only reads. External
-    fragmentation is 0 by construction, so every free block counts as `free`.
+    fragmentation is 0 by construction, so every free block counts as `free`. With windowed
+    layers (`HybridKVCacheManager`) a slot is one token of one page (a group's layers), every
+    group's table counts, and the null block standing for what a window gave back holds nothing.
     """
     out = MemoryBreakdown()
     bs = kv.block_size
-    seen: set[int] = set()
+    null = kv.null_block if isinstance(kv, HybridKVCacheManager) else None
+    seen: set[int] = set()  # blocks held by several sequences, counted for their first holder
     for request in running:
-        table = kv.get_block_table(request.request_id)
         written, final = request.num_computed_tokens, final_kv_len(request)
-        _classify(out, 0, len(table) * bs, written, final)
-        for index, block_id in enumerate(table):
-            if kv.pool.ref_cnt[block_id] > 1:
-                if block_id in seen:
-                    # Counted for an earlier holder: take this holder's share back out.
-                    undo = MemoryBreakdown()
-                    _classify(undo, index * bs, (index + 1) * bs, written, final)
-                    out.token_states -= undo.token_states
-                    out.reserved -= undo.reserved
-                    out.internal -= undo.internal
-                seen.add(block_id)
+        tables = (kv.group_block_tables(request.request_id) if isinstance(kv, HybridKVCacheManager)
+                  else [kv.get_block_table(request.request_id)])
+        for table in tables:
+            for index, block_id in enumerate(table):
+                if block_id == null or block_id in seen:
+                    continue
+                if kv.pool.ref_cnt[block_id] > 1:
+                    seen.add(block_id)
+                _classify(out, index * bs, (index + 1) * bs, written, final)
     out.free = kv.pool.num_free_blocks * bs
     return out
 
@@ -412,6 +413,6 @@ def memory_breakdown(kv: object, running: Iterable[Request], waiting_head: Reque
     """The breakdown of either kind of manager (see `MemoryBreakdown`)."""
     if isinstance(kv, ContiguousKVCacheManager):
         return kv.memory_breakdown(running, waiting_head)
-    if isinstance(kv, KVCacheManager):
+    if isinstance(kv, KVCacheManager | HybridKVCacheManager):
         return paged_memory_breakdown(kv, running)
     raise TypeError(f"no memory breakdown for {type(kv).__name__}")

@@ -10,7 +10,7 @@ import pytest
 
 from pagedserve.bench.cells import Cell, CellStore
 from pagedserve.bench.cli import parse_bench_args, run_bench
-from pagedserve.bench.study import PARTS, plan, settings_from_args
+from pagedserve.bench.study import PARTS, plan, settings_from_args, study_store
 from pagedserve.cpp_build import cpu_description
 
 MODELS = ["llama-gqa", "qwen2"]
@@ -32,7 +32,7 @@ PLOTS = ["latency.png", "batch.png", "context.png", "quant.png", "memory.png", "
 
 def _store(out, args) -> CellStore:
     """The cells as the study saved them (under its settings' fingerprint)."""
-    return CellStore(out, settings_from_args(args, None).fingerprint())
+    return study_store(out, settings_from_args(args, None))
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +188,28 @@ def test_merge_adapter_gives_peft_merged_weights():
     merge_adapter(engine, adapter, -1.0)
     compare(original)
     engine.assert_no_leaks()
+
+
+def test_a_windowed_model_runs_its_cells(tmp_path):
+    """Gemma 3's 5 windowed : 1 full layers page their KV in 6 groups, each needing its own
+    blocks: the study's pools are as many bytes as for any model (6x the blocks, of one layer
+    each), so the info and memory cells run (they failed with "cannot hold one sequence")."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from windowed_configs import CONFIGS as WINDOWED
+
+    model_dir = tmp_path / "gemma3"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(WINDOWED["gemma3"]).save_pretrained(model_dir)
+    out = tmp_path / "study"
+    args = parse_bench_args(["report", "--models", str(model_dir), "--quick", "--no-progress", "--num-requests", "4",
+                             "--parts", "memory", "--out", str(out)])
+    assert run_bench(args) == 0
+    store = _store(out, args)
+    assert store.load(Cell(str(model_dir), "info", "model"))["result"]["kv_groups"] == 6
+    memory = store.load(Cell(str(model_dir), "memory", "paged"))["result"]
+    assert memory["completed"] == 4 and memory["sliding_window"] == WINDOWED["gemma3"].sliding_window
+    assert 0 < memory["memory"]["shares"]["token_states"] <= 1
+    # One 8k-token sequence: 5 windowed groups keep ~window / block + 1 blocks each (16 / 16 + 1).
+    blocks, page = 8192 // 16, memory["kv_bytes_8k_every_block"] // (6 * 8192 // 16)
+    assert memory["kv_bytes_8k_held"] == (blocks + 5 * 2) * page
