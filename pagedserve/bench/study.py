@@ -81,8 +81,10 @@ class StudySettings:
 
     parts: tuple[str, ...] = PARTS
     workload: str = "alpaca"  # latency: Alpaca-like lengths (prompt ~19, output ~58 tokens)
-    num_requests: int = 64  # per latency, memory and LoRA cell
-    rate_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    # Per latency, memory and LoRA cell. 32: a peer cell at 0.4 x capacity is real (wall) time,
+    # 32 requests of a 1.5B model ~3 minutes of it.
+    num_requests: int = 32
+    rate_fractions: tuple[float, ...] = (0.4, 0.7, 1.0)
     peer_rate_fractions: tuple[float, ...] = ()  # the peer part's rates (over HTTP, wall time); () = rate_fractions
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     prompt_len: int = 64  # batch, quant and lora cells: every request prompt_len / output_len
@@ -214,7 +216,8 @@ def plan(models: list[str], s: StudySettings) -> list[Cell]:
     for m in models:
         lat = s.num_requests * 80.0  # Alpaca-like: ~77 tokens per request
         by_part: dict[str, list[Cell]] = {
-            "info": [Cell(m, "info", "model", cost=8)],
+            # A load (parsing, repacking, kernels) takes about as long as ~1000 tokens.
+            "info": [Cell(m, "info", "model", cost=1000)],
             "latency": [Cell(m, "latency", "capacity", cost=lat)]
             + [Cell(m, "latency", f"rate={f:g}", {"fraction": f}, lat) for f in s.rate_fractions],
             "batch": [Cell(m, "batch", str(b), {"batch": b}, s.repeats * b * (s.prompt_len + s.output_len))
@@ -230,9 +233,19 @@ def plan(models: list[str], s: StudySettings) -> list[Cell]:
                      for server in SERVERS for f in s.peer_rate_fractions or s.rate_fractions] if s.peer_server_cmd
             else [Cell(m, "peer", "llama.cpp", {"server": "llama.cpp"}, cost=0)],
         }
+        # Costs are tokens; a token of a bigger model costs more, in proportion to its file.
+        weight = _cost_weight(m)
         for part in s.parts:
-            cells += by_part[part]
+            cells += [replace(c, cost=c.cost * weight) for c in by_part[part]]
     return cells
+
+
+def _cost_weight(model: str) -> float:
+    """A model's time per token relative to a ~100 MB one (its catalog file's size; 1 for others)."""
+    from pagedserve.models.catalog import CATALOG
+
+    entry = CATALOG.get(model)
+    return max(1.0, entry.size / 1e8) if entry else 1.0
 
 
 def lora_cells(model: str, s: StudySettings) -> list[Cell]:
@@ -560,8 +573,10 @@ class StudyRunner:
 def _pool_tokens(info: dict[str, Any], tokens: int) -> int:
     """EngineSpec.kv_tokens for a pool of as many bytes as `tokens` tokens in every layer: a
     model with windowed layers (KV groups) has a block per group of layers, so G groups make
-    G times the blocks of one page each, the same bytes (and what it saves shows as room)."""
-    return tokens * int(info.get("kv_groups", 1))
+    G times the blocks of one page each, the same bytes (and what it saves shows as room),
+    plus the one block such a model's manager keeps aside (its null block)."""
+    groups = int(info.get("kv_groups", 1))
+    return tokens * groups + (EngineSpec.block_size if groups > 1 else 0)
 
 
 def _checkpoint_dtype(hf: Any) -> str:

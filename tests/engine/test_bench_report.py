@@ -10,7 +10,8 @@ import pytest
 
 from pagedserve.bench.cells import Cell, CellStore
 from pagedserve.bench.cli import parse_bench_args, run_bench
-from pagedserve.bench.study import PARTS, plan, settings_from_args, study_store
+from pagedserve.bench.common import EngineSpec, make_engine
+from pagedserve.bench.study import PARTS, _pool_tokens, plan, settings_from_args, study_store
 from pagedserve.cpp_build import cpu_description
 
 MODELS = ["llama-gqa", "qwen2"]
@@ -206,7 +207,11 @@ def test_a_windowed_model_runs_its_cells(tmp_path):
                              "--parts", "memory", "--out", str(out)])
     assert run_bench(args) == 0
     store = _store(out, args)
-    assert store.load(Cell(str(model_dir), "info", "model"))["result"]["kv_groups"] == 6
+    info = store.load(Cell(str(model_dir), "info", "model"))["result"]
+    assert info["kv_groups"] == 6
+    # A pool of exactly one longest sequence's tokens holds that sequence (null block included).
+    engine = make_engine(EngineSpec(str(model_dir), max_model_len=256, kv_tokens=_pool_tokens(info, 256)))
+    engine.assert_no_leaks()
     memory = store.load(Cell(str(model_dir), "memory", "paged"))["result"]
     assert memory["completed"] == 4 and memory["sliding_window"] == WINDOWED["gemma3"].sliding_window
     assert 0 < memory["memory"]["shares"]["token_states"] <= 1
