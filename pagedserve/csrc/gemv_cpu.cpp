@@ -1486,6 +1486,7 @@ at::Tensor gemv_dense(const at::Tensor& x_in, const at::Tensor& w, const c10::op
 // path's would be; what it saves is that path's ~3 dispatches and 2 parallel regions per expert:
 // a batch-16 step of a 64-expert layer runs ~56 experts, ~170 calls a layer.
 
+#if defined(PAGEDSERVE_AVX2)
 // The pairs of one expert, rows [first, first + rows) of the expert-sorted order.
 struct ExpertRows {
   int64_t expert, first, rows;
@@ -1554,6 +1555,8 @@ void moe_combine(const at::Tensor& ys, const std::vector<int64_t>& order, int64_
     }
   });
 }
+
+#endif
 
 at::Tensor gemv_moe(const at::Tensor& x_in, const at::Tensor& gu, const at::Tensor& down, const at::Tensor& ids,
                     const at::Tensor& weights) {

@@ -134,7 +134,7 @@ def test_peer_cells_serve_the_latency_trace_over_http(tmp_path):
     from pagedserve.bench.peer import PAGEDSERVE_SERVER_CMD
 
     args = parse_bench_args(["report", "--models", "llama-gqa", "--quick", "--no-progress", "--num-requests", "4",
-                             "--rate-fractions", "0.5", "--parts", "latency,peer", "--out", str(tmp_path),
+                             "--rate-fractions", "0.5", "--peer-rate-fractions", "0.5", "--parts", "latency,peer", "--out", str(tmp_path),
                              "--peer-server-cmd", PAGEDSERVE_SERVER_CMD])
     assert run_bench(args) == 0
     store = _store(tmp_path, args)
