@@ -241,11 +241,13 @@ def plan(models: list[str], s: StudySettings) -> list[Cell]:
 
 
 def _cost_weight(model: str) -> float:
-    """A model's time per token relative to a ~100 MB one (its catalog file's size; 1 for others)."""
+    """A model's time per token relative to a ~100 MB one, from its catalog file's size (1 for
+    others). Less than in proportion: `--quick` took 1.9x, 4.7x and 2.0x SmolLM2's time on the
+    0.5B, 1.5B and Gemma files (2 threads), which are 5x, 11x and 2.5x its size."""
     from pagedserve.models.catalog import CATALOG
 
     entry = CATALOG.get(model)
-    return max(1.0, entry.size / 1e8) if entry else 1.0
+    return max(1.0, entry.size / 1e8) ** 0.7 if entry else 1.0
 
 
 def lora_cells(model: str, s: StudySettings) -> list[Cell]:
@@ -351,7 +353,7 @@ class StudyRunner:
         room for the longest context cell, the largest batch and the latency trace at once,
         so consecutive cells share one loaded engine and differ only in their requests."""
         s, limit = self.s, info["max_position_embeddings"]
-        longest = max((c for c in s.context_lens if c + s.context_output_len <= limit), default=0)
+        longest = max((p for c in s.context_lens if (p := _context_prompt(c, s.context_output_len, limit))), default=0)
         max_len = min(limit, max(2048, longest + s.context_output_len, s.prompt_len + s.output_len))
         most = max(s.batch_sizes, default=1)
         kv_tokens = max(16384, most * (s.prompt_len + s.output_len), max_len) + 256
@@ -436,10 +438,12 @@ class StudyRunner:
         return self._run(self._engine_spec(info), fixed(b, s.prompt_len, s.output_len, info["vocab_size"], s.seed), repeats=s.repeats)
 
     def _context(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
-        c, out, limit = cell.params["context"], self.s.context_output_len, info["max_position_embeddings"]
-        if c + out > limit:
+        out, limit = self.s.context_output_len, info["max_position_embeddings"]
+        prompt = _context_prompt(cell.params["context"], out, limit)
+        if prompt is None:
             return {"skipped": f"beyond the model's context length ({limit})"}
-        return self._run(self._engine_spec(info), fixed(1, c, out, info["vocab_size"], self.s.seed), repeats=self.s.repeats)
+        requests = fixed(1, prompt, out, info["vocab_size"], self.s.seed)
+        return {"prompt_tokens": prompt, **self._run(self._engine_spec(info), requests, repeats=self.s.repeats)}
 
     def _quant(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
         s, level = self.s, cell.params["level"]
@@ -568,6 +572,12 @@ class StudyRunner:
             return {"quant": quant, "rank": rank, **self._lora_run(spec, requests, None)}
         finally:
             self.close()
+
+
+def _context_prompt(context: int, output_len: int, limit: int) -> int | None:
+    """The prompt of a context cell: `context` tokens, or at the model's limit itself the
+    limit less the output (SmolLM2's 8192 is a cell too); None past the limit."""
+    return None if context > limit else min(context, limit - output_len)
 
 
 def _pool_tokens(info: dict[str, Any], tokens: int) -> int:

@@ -25,7 +25,7 @@ SECTIONS = {  # part -> (title, plot file or "", how to read it)
     "info": ("Models", "", "What was loaded: the weights as served, and the KV cache's cost per token."),
     "latency": ("Latency under Poisson arrivals", "latency.png",
                 "Requests with Alpaca-like lengths arrive as a Poisson process at fractions of the model's "
-                "capacity C (every request queued at once). p50 solid, p99 dashed; a p99 turning up is the "
+                "capacity C (every request queued at once). p50 above, p99 below, log scale; a p99 turning up is the "
                 "queue starting to grow, the model's saturation. Simulated clock advanced by a step-time "
                 "model fitted to the model's measured steps (bench/clock.py)."),
     "batch": ("Throughput against batch size", "batch.png",
@@ -52,8 +52,8 @@ SECTIONS = {  # part -> (title, plot file or "", how to read it)
     "peer": ("Beside a peer: pagedserve and llama.cpp over HTTP", "peer.png",
              "`pagedserve serve` and the peer server (--peer-server-cmd: llama.cpp's llama-server on the same "
              "file) get the latency cells' requests at the same Poisson rates through the same streaming HTTP "
-             "client (bench/loadgen.py), on the wall clock: p50 solid, p99 dashed, one colour per model and "
-             "server. Without --peer-server-cmd the section says why there is no peer."),
+             "client (bench/loadgen.py), on the wall clock: p50 above, p99 below, one colour per model, "
+             "pagedserve solid with dots, the peer dashed with hollow squares. Without --peer-server-cmd the section says why there is no peer."),
 }
 
 
@@ -182,7 +182,7 @@ TABLES: dict[str, Callable[[list[tuple[Cell, dict]]], str]] = {
                      lambda r: [r["output_throughput"], r["ttft_ms"]["median"], r["tpot_ms"]["median"],
                                 r["peak_blocks_used"]]),
     "context": _simple(["model", "prompt tokens", "TTFT (ms)", "TPOT p50 (ms)", "TPOT p99 (ms)"],
-                       lambda c, r: [c.model, c.params["context"]],
+                       lambda c, r: [c.model, r.get("prompt_tokens", c.params["context"])],
                        lambda r: [r["ttft_ms"]["median"], r["tpot_ms"]["median"], r["tpot_ms"]["p99"]]),
     "quant": _simple(["model", "weights", "output tok/s", "TTFT p50 (ms)", "TPOT p50 (ms)"],
                      lambda c, r: [c.model, r.get("label", c.key)],
@@ -306,22 +306,32 @@ def _line_panels(rows: list[tuple[Cell, dict]], path: Path, xlabel: str, x: Call
     return save_figure(fig, path.parent, path.name)
 
 
-def _plot_latency(rows: list[tuple[Cell, dict]], path: Path,
-                  label: Callable[[Cell], str] = lambda c: c.model) -> Path:
+def _plot_latency(rows: list[tuple[Cell, dict]], path: Path, server: Callable[[Cell], str] | None = None) -> Path:
+    """p50 (top row) and p99 (bottom) of TTFT, TPOT and E2E against the load as a fraction of
+    each model's capacity (the models' rates differ 6x; their fractions line up). One colour a
+    model; with `server` (the peer part), one line style a server."""
     plt = pyplot()
     rated = [(c, r) for c, r in rows if c.key != "capacity"]
     metrics = [("ttft_ms", "TTFT (ms)", 1.0), ("tpot_ms", "TPOT (ms)", 1.0), ("e2e_ms", "E2E latency (s)", 1e-3)]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (key, ylabel, scale) in zip(axes, metrics, strict=True):
-        for pct, style in (("median", "-"), ("p99", "--")):
-            series = _by_model(rated, lambda c, r: r["request_rate"], partial(_percentile, key=key, pct=pct, scale=scale),
-                               label)
-            for i, (model, (xs, ys)) in enumerate(series.items()):
-                ax.plot(xs, ys, style, marker="o", color=colors[i % len(colors)],
-                        label=f"{model} {'p50' if pct == 'median' else 'p99'}")
-        ax.set(xlabel="request rate (req/s)", ylabel=ylabel)
-    axes[0].legend(fontsize=7)
+    models = list(dict.fromkeys(c.model for c, _ in rated))
+    servers = list(dict.fromkeys(server(c) for c, _ in rated)) if server else [""]
+    styles = ["-", "--", ":", "-."]
+    for row, pct in enumerate(("median", "p99")):
+        for ax, (key, ylabel, scale) in zip(axes[row], metrics, strict=True):
+            series = _by_model(rated, lambda c, r: c.params["fraction"],
+                               partial(_percentile, key=key, pct=pct, scale=scale),
+                               lambda c: f"{c.model}, {server(c)}" if server else c.model)
+            for name, (xs, ys) in series.items():
+                model, _, srv = name.partition(", ")
+                k = servers.index(srv)  # the peer's points hollow squares: told apart at one rate too
+                ax.plot(xs, ys, styles[k % len(styles)], marker="os^D"[k % 4], markerfacecolor=None if k == 0 else "none",
+                        color=colors[models.index(model) % len(colors)], label=name)
+            ax.set(xlabel="load (fraction of the model's capacity C)",
+                   ylabel=f"{ylabel}, {'p50' if pct == 'median' else 'p99'}")
+            ax.set_yscale("log")
+    axes[0][0].legend(fontsize=7)
     return save_figure(fig, path.parent, path.name)
 
 
@@ -437,7 +447,7 @@ PLOTS: dict[str, Callable[[list[tuple[Cell, dict]], Path], Path]] = {
         [("output tok/s", lambda r: r["output_throughput"]), ("TPOT p50 (ms)", lambda r: r["tpot_ms"]["median"])],
         log2x=True),
     "context": lambda rows, path: _line_panels(
-        rows, path, "prompt tokens", lambda c, r: c.params["context"],
+        rows, path, "prompt tokens", lambda c, r: r.get("prompt_tokens", c.params["context"]),
         [("TTFT (ms)", lambda r: r["ttft_ms"]["median"]), ("TPOT p50 (ms)", lambda r: r["tpot_ms"]["median"])],
         log2x=True),
     "quant": lambda rows, path: _line_panels(
@@ -447,7 +457,7 @@ PLOTS: dict[str, Callable[[list[tuple[Cell, dict]], Path], Path]] = {
         rows, path, [("KV bytes per token", lambda r: r["kv_bytes_per_token"]),
                      ("live token states (% of KV in use)", lambda r: 100 * r["memory"]["shares"]["token_states"])]),
     "lora": _plot_lora,
-    "peer": lambda rows, path: _plot_latency(rows, path, lambda c: f"{c.model}, {c.params['server']}"),
+    "peer": lambda rows, path: _plot_latency(rows, path, lambda c: c.params["server"]),
 }
 
 # Further figures of a part's section (file, plot; a plot returns None when it has nothing to draw).

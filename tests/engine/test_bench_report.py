@@ -218,3 +218,11 @@ def test_a_windowed_model_runs_its_cells(tmp_path):
     # One 8k-token sequence: 5 windowed groups keep ~window / block + 1 blocks each (16 / 16 + 1).
     blocks, page = 8192 // 16, memory["kv_bytes_8k_every_block"] // (6 * 8192 // 16)
     assert memory["kv_bytes_8k_held"] == (blocks + 5 * 2) * page
+
+
+def test_a_context_cell_at_the_model_limit_fits_its_output():
+    from pagedserve.bench.study import _context_prompt
+
+    assert _context_prompt(4096, 16, 8192) == 4096
+    assert _context_prompt(8192, 16, 8192) == 8176, "SmolLM2's 8k cell: its whole context"
+    assert _context_prompt(16384, 16, 8192) is None
