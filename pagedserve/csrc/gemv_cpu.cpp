@@ -497,9 +497,9 @@ inline void tile_dpbf16(const uint32_t* x, int64_t ldx, int64_t pairs, const uin
   }
 }
 
-// Rows in blocks of up to 8 (8 accumulators + the weight + a broadcast of 32 registers); the
-// first block streams the tile, every block requests its share of the next (see NextTile).
-// M rows (k-pairs `pairs` uint32 apart) times the tile at wt: sums[m * 16 + j].
+// M rows (k-pairs `pairs` uint32 apart) times the tile at wt: sums[m * 16 + j]. Rows in blocks
+// of up to 8 (8 accumulators + the weight + a broadcast of 32 registers); the first block
+// streams the tile, every block requests its share of the next (see NextTile).
 inline void dpbf16_tile(const uint32_t* xp, int64_t M, int64_t pairs, const uint16_t* wt, float* sums) {
   const int64_t tile_bytes = pairs * 64, blocks = (M + 7) / 8;
   for (int64_t m = 0, block = 0; m < M; m += 8, ++block) {
@@ -520,8 +520,7 @@ inline void dpbf16_tile(const uint32_t* xp, int64_t M, int64_t pairs, const uint
   }
 }
 
-// Rows in blocks of up to 8 (8 accumulators + the weight + a broadcast of 32 registers); the
-// first block streams the tile, every block requests its share of the next (see NextTile).
+// x (M, K) bf16 times every tile (dpbf16_tile), tiles split over threads.
 inline void dense_dpbf16(const at::Tensor& x, const uint16_t* w, int64_t tiles, const at::Tensor& bias,
                          at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = tiles * kTile, pairs = K / 2;
@@ -1609,19 +1608,16 @@ at::Tensor gemv_moe(const at::Tensor& x_in, const at::Tensor& gu, const at::Tens
     else experts_gemv(xin, w.data_ptr<float>(), w.size(1), groups, y);
   };
   run(xs, gu, h);
-  if (x.scalar_type() == at::kBFloat16) {
-    const auto* hd = reinterpret_cast<const c10::BFloat16*>(h.data_ptr());
-    auto* ad = reinterpret_cast<c10::BFloat16*>(a.data_ptr());
+  auto silu_mul = [&](auto tag) {  // h = [gate | up] per row -> a
+    using T = decltype(tag);
+    const T* hd = reinterpret_cast<const T*>(h.data_ptr());
+    T* ad = reinterpret_cast<T*>(a.data_ptr());
     at::parallel_for(0, P, pagedserve::grain_rows(2 * I), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) pagedserve::silu_mul_row(hd + r * 2 * I, hd + r * 2 * I + I, ad + r * I, I);
     });
-  } else {
-    const float* hd = h.data_ptr<float>();
-    float* ad = a.data_ptr<float>();
-    at::parallel_for(0, P, pagedserve::grain_rows(2 * I), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) pagedserve::silu_mul_row(hd + r * 2 * I, hd + r * 2 * I + I, ad + r * I, I);
-    });
-  }
+  };
+  if (x.scalar_type() == at::kBFloat16) silu_mul(c10::BFloat16{});
+  else silu_mul(float{});
   run(a, down, ys);
   if (x.scalar_type() == at::kBFloat16) moe_combine<c10::BFloat16>(ys, order, k, wt, out);
   else moe_combine<float>(ys, order, k, wt, out);
