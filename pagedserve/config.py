@@ -20,6 +20,11 @@ from pagedserve.compilation.config import CompilationConfig
 from pagedserve.spec_decode.config import SpeculativeConfig
 
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+# quantization="none": nothing is quantized, a quantized .gguf file included (its tensors are
+# dequantized at load into the dtype: the reference the quantized paths are measured against).
+# None (the default) serves a quantized .gguf file's own blocks on CPU.
+NO_QUANTIZATION = "none"
+QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, NO_QUANTIZATION)
 GROUP_SIZES = (32, 64, 128, 256)
 PER_CHANNEL = -1  # int8 only: one scale per output channel
 # group_size None picks these; BENCHMARKS.md ("Real-text quality") shows why int8 uses 32.
@@ -73,7 +78,7 @@ class QuantizationConfig:
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
             raise ValueError(
-                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None; "
+                f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} or None; "
                 f"got {self.method!r}"
             )
         if self.method == "gguf" and self.group_size is not None:
@@ -116,8 +121,9 @@ class ModelConfig:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
-    # Weight-only quantization: None, "int8" or "int4" (at load time), or "gguf" (a .gguf file's
-    # quantized blocks as they are); see pagedserve/quantization.
+    # Weight-only quantization: None, "int8" or "int4" (at load time), "gguf" (a .gguf file's
+    # quantized blocks as they are), or "none" (a quantized .gguf file dequantized at load);
+    # see pagedserve/quantization.
     quantization: str | None = None
     quantization_group_size: int | None = None  # None: the method's default (32)
     quantize_lm_head: bool = False
@@ -133,14 +139,20 @@ class ModelConfig:
         self.quant_config()  # validates
         if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPE_ALIASES)}; got {self.dtype!r}")
-        if self.quantize_lm_head and self.quantization is None:
+        if self.quantize_lm_head and self.quant_config() is None:
             raise ValueError("quantize_lm_head=True needs quantization='int8', 'int4' or 'gguf'")
-        if self.quantization_activations != "auto" and self.quantization is None:
+        if self.quantization_activations != "auto" and self.quant_config() is None:
             raise ValueError("quantization_activations needs quantization='int8' (group-wise) or 'gguf' "
                              "(a quantized .gguf file: quantization='gguf' chooses its activations)")
 
+    @property
+    def serves_gguf_blocks(self) -> bool:
+        """Whether a quantized .gguf file may be served from its own blocks when no method is
+        asked (models/loader.py decides per file and device); False with quantization='none'."""
+        return self.quantization != NO_QUANTIZATION
+
     def quant_config(self) -> QuantizationConfig | None:
-        if self.quantization is None:
+        if self.quantization is None or self.quantization == NO_QUANTIZATION:
             return None
         return QuantizationConfig(
             self.quantization, self.quantization_group_size, self.quantize_lm_head,

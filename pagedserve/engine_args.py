@@ -30,7 +30,7 @@ from pagedserve.config import (
     LORA_DTYPES,
     PREEMPTION_MODES,
     QUANTIZATION_ACTIVATIONS,
-    QUANTIZATION_METHODS,
+    QUANTIZATION_CHOICES,
     SCHEDULING_POLICIES,
     STRUCTURED_OUTPUT_BACKENDS,
     CacheConfig,
@@ -179,10 +179,11 @@ class EngineArgs:
     quantization: str | None = field(default=_default(ModelConfig, "quantization"), metadata=_setting(
         "weight-only quantization of every linear layer at load time "
         "(group-wise: int8 symmetric like Q8_0, int4 affine like Q4_1), or gguf: a .gguf model's "
-        "Q8_0 / Q4_0 / Q4_1 linear weights served as they are (no requantizing; other tensors "
-        "dequantized)", choices=QUANTIZATION_METHODS,
+        "quantized linear weights served as they are (no requantizing; what a quantized .gguf "
+        "file gets by default on CPU), or none: nothing quantized, a .gguf file's tensors "
+        "dequantized at load into --dtype", choices=QUANTIZATION_CHOICES,
         vllm="differs: vLLM names checkpoint formats (awq, gptq, fp8, gguf, ...); here int8 / int4 "
-             "quantize a full-precision checkpoint at load; gguf is vLLM's name"))
+             "quantize a full-precision checkpoint at load; gguf is vLLM's name; none is pagedserve's"))
     quantization_group_size: int | None = field(default=_default(ModelConfig, "quantization_group_size"), metadata=_setting(
         "group size along the input dim: 32 (default), 64, 128 or 256; int8 also -1 "
         "(one scale per output channel)", vllm="pagedserve only"))

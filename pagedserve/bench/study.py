@@ -63,6 +63,7 @@ from pagedserve.bench.workloads import (
     fixed,
     synthetic,
 )
+from pagedserve.config import NO_QUANTIZATION
 
 PARTS = ("info", "latency", "batch", "context", "quant", "memory", "lora", "peer")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -449,8 +450,8 @@ class StudyRunner:
         s, level = self.s, cell.params["level"]
         gguf = str(info["path"]).endswith(".gguf")
         dtype, quantization = {"native": ("float32", "gguf" if gguf else None), "int8": ("float32", "int8"),
-                               "int4": ("float32", "int4"), "bfloat16": ("bfloat16", None),
-                               "float32": ("float32", None)}[level]
+                               "int4": ("float32", "int4"), "bfloat16": ("bfloat16", NO_QUANTIZATION),
+                               "float32": ("float32", NO_QUANTIZATION)}[level]
         # A GGUF file's blocks are what the loader serves unasked: native is the other parts' engine.
         spec = self._engine_spec(info, dtype=dtype, quantization=None if level == "native" else quantization)
         requests = fixed(s.quant_requests, s.prompt_len, s.output_len, info["vocab_size"], s.seed)
@@ -474,8 +475,8 @@ class StudyRunner:
         gguf = str(info["path"]).endswith(".gguf")
         native_dtype = "bfloat16" if info.get("checkpoint_dtype") == "bfloat16" and not gguf else "float32"
         dtype, quantization = {"native": (native_dtype, "gguf" if gguf else None), "int8": ("float32", "int8"),
-                               "int4": ("float32", "int4"), "bfloat16": ("bfloat16", None),
-                               "float32": ("float32", None)}[quant]
+                               "int4": ("float32", "int4"), "bfloat16": ("bfloat16", NO_QUANTIZATION),
+                               "float32": ("float32", NO_QUANTIZATION)}[quant]
         changes: dict[str, Any] = {"max_loras": self.s.max_loras, "max_lora_rank": max(MIXED_RANKS)} if lora else {}
         return self._engine_spec(info, dtype=dtype, quantization=quantization, **changes)
 

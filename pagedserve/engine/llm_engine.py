@@ -99,6 +99,7 @@ class LLMEngine:
                 tp_group=self.tp_workers.group if self.tp_workers is not None else None,
                 tp_workers=self.tp_workers,
                 compilation=config.compilation,
+                gguf_blocks=model_cfg.serves_gguf_blocks,
             )
             if self.tp_workers is not None:
                 self.tp_workers.wait_ready()

@@ -154,9 +154,11 @@ class ModelRunner:
         tp_group: TPGroup | None = None,
         tp_workers: TPWorkers | None = None,
         compilation: CompilationConfig | None = None,
+        gguf_blocks: bool = True,
     ) -> None:
         """`tp_group`: this rank's tensor-parallel group (None: one rank); `tp_workers`: on
-        rank 0, the other ranks' processes, sent every step."""
+        rank 0, the other ranks' processes, sent every step; `gguf_blocks`: False dequantizes a
+        quantized .gguf file at load (quantization='none')."""
         self.device = device
         self.tp_group = tp_group or SINGLE
         self.tp_workers = tp_workers
@@ -165,7 +167,7 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
         self.backend = _attention_backend(device, self.kv_dtype)
-        self.model, self.hf_config = load_model(model_path, dtype, device, quantization, tp_group)
+        self.model, self.hf_config = load_model(model_path, dtype, device, quantization, tp_group, gguf_blocks)
         self.model.eval()
         if device.type == "cpu":
             huge_pages.move_weights(self.model)  # before anything captures a weight tensor

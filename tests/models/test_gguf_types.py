@@ -223,3 +223,20 @@ def test_native_types_keep_their_blocks_beside_dequantized_ones(tmp_path, caplog
     lines = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
     assert len(lines) == 1 and "Q3_K" in lines[0] and "Q8_0" not in lines[0]
     assert _engine_greedy(path, PROMPTS[:1], **FLOAT) == _hf_greedy(path, PROMPTS[:1])
+
+
+def test_quantization_none_dequantizes_the_file_at_load(tmp_path):
+    """quantization='none' (the benchmark report's bf16 / float32 levels on a GGUF file): no
+    layer keeps the file's blocks, and the engine equals transformers on the dequantized
+    weights with float activations (the default would round them to int8 and differ)."""
+    path = _file(tmp_path, "Q4_K", types={"ffn_down": "Q6_K"})
+    llm = LLM(str(path), **ENGINE, quantization="none")
+    model = llm.llm_engine.runner.model
+    methods = {m.quant_method.name for m in model.modules() if isinstance(m, LinearBase)}
+    assert methods <= {"onednn-packed", "unquantized"}, methods
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == _hf_greedy(path, PROMPTS)
+    llm.llm_engine.assert_no_leaks()
+    with pytest.raises(ValueError, match="quantization_activations"):
+        LLM(str(path), **ENGINE, quantization="none", quantization_activations="int8")
