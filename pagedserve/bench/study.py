@@ -212,7 +212,14 @@ def study_command(args: argparse.Namespace, parts: tuple[str, ...] | None = None
 
 
 def plan(models: list[str], s: StudySettings) -> list[Cell]:
-    """Every cell of the study, model by model, in the order they run."""
+    """Every cell of the study, model by model, in the order they run.
+
+    Raises:
+        ValueError: a --lora-models name that is not one of `models` (it would run nothing).
+    """
+    stray = [m for m in s.lora_models if m not in models]
+    if stray:
+        raise ValueError(f"--lora-models: {', '.join(stray)} not among --models ({', '.join(models)})")
     cells: list[Cell] = []
     for m in models:
         lat = s.num_requests * 80.0  # Alpaca-like: ~77 tokens per request

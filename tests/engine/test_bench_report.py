@@ -226,3 +226,9 @@ def test_a_context_cell_at_the_model_limit_fits_its_output():
     assert _context_prompt(4096, 16, 8192) == 4096
     assert _context_prompt(8192, 16, 8192) == 8176, "SmolLM2's 8k cell: its whole context"
     assert _context_prompt(16384, 16, 8192) is None
+
+
+def test_a_lora_model_outside_the_models_is_refused():
+    args = parse_bench_args([*ARGS, "--out", "unused", "--lora-models", "qwen3"])
+    with pytest.raises(ValueError, match="--lora-models: qwen3 not among --models"):
+        plan(MODELS, settings_from_args(args, None))
