@@ -36,6 +36,10 @@ from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+# A step that ran nothing waits this long at most for a pending adapter load (a new request
+# arriving meanwhile waits as long; a load takes ~20 ms).
+LORA_LOAD_WAIT_S = 0.02
+
 
 @dataclass(slots=True)
 class EngineStats:
@@ -319,6 +323,9 @@ class LLMEngine:
             self.speculator.release(self.scheduler.requests)
             self.speculator.propose(self.scheduler.running)
         timer.finish(sched_out, runner_out)
+        if sched_out.is_empty and self.lora_manager is not None:
+            # Nothing ran: its requests may wait on adapter loads; give the loader the GIL.
+            self.lora_manager.wait_for_loads(LORA_LOAD_WAIT_S)
         return outputs
 
     def _stamp_first_scheduled(self, sched_out: SchedulerOutput) -> None:
