@@ -4,6 +4,11 @@ build takes 16 channels a vector and register blocks of 12 rows (`PAGEDSERVE_QUA
 variant (`-DPAGEDSERVE_QUADS_512=0`, its own op namespace) is the 256-bit code with blocks of 6.
 
     python benchmarks/bits_q8_width.py [--model qwen2.5-coder-1.5b-instruct] [--rows 1 16 64 512]
+        [--variant "-DPAGEDSERVE_QUADS_512=0"]
+
+--variant names another build to put beside the default one: e.g. `-DPAGEDSERVE_FORCE_INLINING=0`
+leaves the register block's helpers to the compiler's inlining (session 21: it left them out of
+line, and their accumulators went through memory).
 
 Every bit-quad layer of the first --layers decoder layers, both builds on the same tensors,
 alternating (and which goes first), median of --reps passes; the outputs are checked equal
@@ -29,19 +34,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variant", default="-DPAGEDSERVE_QUADS_512=0",
+                        help="-D flags of the build timed beside the default (space-separated)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(cpu_description())
     default = cpp_build.load(cpp_build.GEMV).require()
-    narrow = cpp_build.load(cpp_build.GEMV, ("-DPAGEDSERVE_QUADS_512=0",), "pagedserve_gemv_q256").require()
+    flags = tuple(args.variant.split())
+    narrow = cpp_build.load(cpp_build.GEMV, flags, "pagedserve_gemv_variant").require()
     llm = LLM(args.model, max_model_len=512, kv_cache_memory_bytes=32 << 20)
     layers = [m for layer in llm.llm_engine.runner.model.model.layers[: args.layers]
               for m in layer.modules() if hasattr(m, "qweight_quads")]
     print(f"{len(layers)} bit-quad layers of the first {args.layers} decoder layers; threads={args.threads}, "
           f"median of {args.reps}; ms a pass")
-    builds = {"512-bit": default, "256-bit": narrow}
+    builds = {"default": default, "variant": narrow}
+    print(f"variant: {' '.join(flags)}")
     gen = torch.Generator().manual_seed(0)
-    print(f"{'rows':>5} | {'512-bit':>9} | {'256-bit':>9} | 256 / 512")
+    print(f"{'rows':>5} | {'default':>9} | {'variant':>9} | variant / default")
     for rows in args.rows:
         xs = [torch.randn(rows, m.qweight_quads.shape[1] * 32, generator=gen) for m in layers]
 
@@ -58,7 +67,7 @@ def main() -> None:
                 run(builds[name])
                 times[name].append(time.perf_counter() - start)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        print(f"{rows:>5} | {ms['512-bit']:9.2f} | {ms['256-bit']:9.2f} | {ms['256-bit'] / ms['512-bit']:.2f}x",
+        print(f"{rows:>5} | {ms['default']:9.2f} | {ms['variant']:9.2f} | {ms['variant'] / ms['default']:.2f}x",
               flush=True)
 
 

@@ -92,6 +92,26 @@ using pagedserve::load_bf16x8;
 // its own it kept them on the stack, and every multiply-add waited on a store and a reload
 // (a batch-1 bf16 tile ran at half the speed of the same loop in a small test program).
 #define PAGEDSERVE_UNROLL _Pragma("GCC unroll 16")
+// The same hazard one level up: a register block's helpers (the group's dot products, the fold,
+// the group parameters) must inline into its loop, or their accumulators go through memory on
+// every call. GCC left them out of line in this large file (objdump: `call quad_group512<4, 12,
+// ...>` and a call to the fold per group), and the int8-activation K-quant kernel ran at ~half
+// of what its loop does alone; FORCE_INLINE makes that the compiler's only choice, and
+// NOINLINE keeps each register block's loop a function of its own, so the switch over block
+// sizes that calls them does not grow past what the compiler will inline.
+// `-DPAGEDSERVE_FORCE_INLINING=0` builds without (benchmarks/bits_q8_width.py --variant).
+#ifndef PAGEDSERVE_FORCE_INLINING
+#define PAGEDSERVE_FORCE_INLINING 1
+#endif
+#if PAGEDSERVE_FORCE_INLINING
+#define PAGEDSERVE_FORCE_INLINE inline __attribute__((always_inline))
+#define PAGEDSERVE_NOINLINE __attribute__((noinline))
+#define PAGEDSERVE_LAMBDA_INLINE __attribute__((always_inline))
+#else
+#define PAGEDSERVE_FORCE_INLINE inline
+#define PAGEDSERVE_NOINLINE inline
+#define PAGEDSERVE_LAMBDA_INLINE
+#endif
 
 // Software prefetch this many bytes ahead of where a thread reads its run of the weight. The
 // hardware prefetchers alone kept one thread's stream at ~70-85% of what a plain sum reads
@@ -745,7 +765,7 @@ struct DenseParams {
   float center;
   static constexpr int64_t kPerGroup = Centered ? kTile : 2 * kTile;
   DenseParams local() const { return *this; }
-  inline void operator()(int64_t t, int64_t g, __m256& s0, __m256& s1, __m256& l0, __m256& l1) const {
+  PAGEDSERVE_FORCE_INLINE void operator()(int64_t t, int64_t g, __m256& s0, __m256& s1, __m256& l0, __m256& l1) const {
     const Param* st = p + (t * groups + g) * kPerGroup;
     if constexpr (Centered) {
       load_param16(st, s0, s1);
@@ -789,7 +809,7 @@ struct KParams {
   mutable const uint8_t* cached = nullptr;
   mutable __m256 d0, d1, nmin0, nmin1, c0, c1;
   KParams local() const { return KParams{p, per_sb, sb_bytes, sbs, center}; }
-  inline void operator()(int64_t t, int64_t g, __m256& s0, __m256& s1, __m256& l0, __m256& l1) const {
+  PAGEDSERVE_FORCE_INLINE void operator()(int64_t t, int64_t g, __m256& s0, __m256& s1, __m256& l0, __m256& l1) const {
     const uint8_t* sb = p + (t * sbs + g / per_sb) * sb_bytes;
     const uint8_t* gp = sb + kHead + (g % per_sb) * kPerGroup;
     if (sb != cached) {
@@ -1077,7 +1097,7 @@ struct BitQuads {
   static inline __m256i ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   // o: octet 0..3 of the block at `blk`; h: half.
   template <int O>
-  static inline void get(const uint8_t* blk, int h, __m256i& lo, __m256i& hi) {
+  static PAGEDSERVE_FORCE_INLINE void get(const uint8_t* blk, int h, __m256i& lo, __m256i& hi) {
     const __m256i m4 = _mm256_set1_epi8(15);
     const __m256i n = ld(blk + O * 64 + h * 32);
     lo = _mm256_and_si256(n, m4);
@@ -1123,10 +1143,10 @@ inline __m256i dot4x2(__m256i acc, __m256i w0, __m256i x0, __m256i w1, __m256i x
 // Row block of MT rows (xq rows K apart) times tile t over one group of G8 octets (G8 = 2 or 4)
 // starting at octet `o0` of block `blk`: the int32 sums per row and channel (acc[i][half]).
 template <int Bits, int MT, int G8, int O0>
-inline void quad_group(const uint8_t* blk, const int8_t* xq, int64_t K, __m256i (*acc)[2]) {
+PAGEDSERVE_FORCE_INLINE void quad_group(const uint8_t* blk, const int8_t* xq, int64_t K, __m256i (*acc)[2]) {
   PAGEDSERVE_UNROLL
   for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-  auto octet = [&](auto oc) {
+  auto octet = [&](auto oc) PAGEDSERVE_LAMBDA_INLINE {
     constexpr int O = decltype(oc)::value;
     __m256i lo0, hi0, lo1, hi1;
     BitQuads<Bits>::template get<O>(blk, 0, lo0, hi0);
@@ -1151,7 +1171,7 @@ inline void quad_group(const uint8_t* blk, const int8_t* xq, int64_t K, __m256i 
 
 // sums[i] (16 floats a row, in registers) += acc * (s * d_i) + l0 * xs_i for a group's parameters.
 template <int MT>
-inline void quad_fold(__m256 (*sums)[2], __m256i (*acc)[2], const float* d, int64_t ldd, const float* xs,
+PAGEDSERVE_FORCE_INLINE void quad_fold(__m256 (*sums)[2], __m256i (*acc)[2], const float* d, int64_t ldd, const float* xs,
                       int64_t ldxs, __m256 s0, __m256 s1, __m256 l0, __m256 l1) {
   PAGEDSERVE_UNROLL
   for (int i = 0; i < MT; ++i) {
@@ -1179,7 +1199,7 @@ inline void quad_fold(__m256 (*sums)[2], __m256i (*acc)[2], const float* d, int6
 // MT rows times tile t (all K): tot[i * 16 + j]. `group`: 16 or 32.
 #if !PAGEDSERVE_QUADS_512
 template <int Bits, int MT, class Params>
-inline void quad_tile_rows(const uint8_t* qt, const int8_t* xq, const float* dx, const float* xs, int64_t K,
+PAGEDSERVE_NOINLINE void quad_tile_rows(const uint8_t* qt, const int8_t* xq, const float* dx, const float* xs, int64_t K,
                            int64_t group, const Params& params, int64_t t, float* tot, bool prefetch,
                            const NextTile& next) {
   constexpr int64_t kB = BitQuads<Bits>::kBlockBytes;
@@ -1230,7 +1250,7 @@ struct BitQuads512 {
   // Octet O of the block at `blk`, 16 channels: k 8O..8O+3 (lo) and 8O+4..8O+7 (hi); the same
   // bytes BitQuads<Bits>::get reads as two halves.
   template <int O>
-  static inline void get(const uint8_t* blk, __m512i& lo, __m512i& hi) {
+  static PAGEDSERVE_FORCE_INLINE void get(const uint8_t* blk, __m512i& lo, __m512i& hi) {
     const __m512i m4 = _mm512_set1_epi8(15);
     const __m512i n = _mm512_loadu_si512(blk + O * 64);
     lo = _mm512_and_si512(n, m4);
@@ -1248,10 +1268,10 @@ struct BitQuads512 {
 };
 
 template <int Bits, int MT, int G8, int O0>
-inline void quad_group512(const uint8_t* blk, const int8_t* xq, int64_t K, __m512i* acc) {
+PAGEDSERVE_FORCE_INLINE void quad_group512(const uint8_t* blk, const int8_t* xq, int64_t K, __m512i* acc) {
   PAGEDSERVE_UNROLL
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_si512();
-  auto octet = [&](auto oc) {
+  auto octet = [&](auto oc) PAGEDSERVE_LAMBDA_INLINE {
     constexpr int O = decltype(oc)::value;
     __m512i lo, hi;
     BitQuads512<Bits>::template get<O>(blk, lo, hi);
@@ -1276,7 +1296,7 @@ inline __m512 join(__m256 a, __m256 b) {
 }
 
 template <int MT>
-inline void quad_fold512(__m512* sums, const __m512i* acc, const float* d, int64_t ldd, const float* xs,
+PAGEDSERVE_FORCE_INLINE void quad_fold512(__m512* sums, const __m512i* acc, const float* d, int64_t ldd, const float* xs,
                          int64_t ldxs, __m512 s, __m512 l0) {
   PAGEDSERVE_UNROLL
   for (int i = 0; i < MT; ++i) {
@@ -1287,7 +1307,7 @@ inline void quad_fold512(__m512* sums, const __m512i* acc, const float* d, int64
 
 // quad_tile_rows in 512-bit vectors: the same sums in the same order per lane.
 template <int Bits, int MT, class Params>
-inline void quad_tile_rows(const uint8_t* qt, const int8_t* xq, const float* dx, const float* xs, int64_t K,
+PAGEDSERVE_NOINLINE void quad_tile_rows(const uint8_t* qt, const int8_t* xq, const float* dx, const float* xs, int64_t K,
                            int64_t group, const Params& params, int64_t t, float* tot, bool prefetch,
                            const NextTile& next) {
   constexpr int64_t kB = BitQuads<Bits>::kBlockBytes;
@@ -1296,7 +1316,7 @@ inline void quad_tile_rows(const uint8_t* qt, const int8_t* xq, const float* dx,
   __m512 sums[MT];
   PAGEDSERVE_UNROLL
   for (int i = 0; i < MT; ++i) sums[i] = _mm512_setzero_ps();
-  auto fold = [&](int64_t g, const float* xsg) {
+  auto fold = [&](int64_t g, const float* xsg) PAGEDSERVE_LAMBDA_INLINE {
     __m256 s0, s1, l0, l1;
     params(t, g, s0, s1, l0, l1);
     quad_fold512<MT>(sums, acc, dx, nb, xsg, groups, join(s0, s1), join(l0, l1));
