@@ -87,6 +87,8 @@ class StudySettings:
     num_requests: int = 32
     rate_fractions: tuple[float, ...] = (0.4, 0.7, 1.0)
     peer_rate_fractions: tuple[float, ...] = ()  # the peer part's rates (over HTTP, wall time); () = rate_fractions
+    peer_batch_sizes: tuple[int, ...] = ()  # the peer part's batch cells; () = batch_sizes
+    peer_context_lens: tuple[int, ...] = ()  # the peer part's context cells; () = context_lens
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     prompt_len: int = 64  # batch, quant and lora cells: every request prompt_len / output_len
     output_len: int = 32
@@ -118,7 +120,8 @@ class StudySettings:
 # level, LoRA on) is a load of its own, so QUICK keeps one engine per part where it can, the
 # peer at one rate over HTTP (wall time, not the simulated clock) and the LoRA part to one
 # count and rank on the file's own weights.
-QUICK = StudySettings(num_requests=16, rate_fractions=(0.5, 0.9), peer_rate_fractions=(0.7,), batch_sizes=(1, 4, 16),
+QUICK = StudySettings(num_requests=16, rate_fractions=(0.5, 0.9), peer_rate_fractions=(0.7,), peer_batch_sizes=(16,),
+                      peer_context_lens=(1024,), batch_sizes=(1, 4, 16),
                       context_lens=(256, 1024), context_output_len=8, quant_levels=("native", "int8"),
                       quant_requests=4, lora_counts=(4,), lora_ranks=("8",), lora_quant=("native",),
                       # ShareGPT-like requests are ~500 tokens: 24 of them take minutes on a 1.5B model
@@ -126,7 +129,8 @@ QUICK = StudySettings(num_requests=16, rate_fractions=(0.5, 0.9), peer_rate_frac
                       repeats=1)
 
 # The list-valued settings a flag of the same name overrides -> their element type.
-_LIST_FLAGS = {"rate_fractions": float, "peer_rate_fractions": float, "batch_sizes": int, "context_lens": int,
+_LIST_FLAGS = {"rate_fractions": float, "peer_rate_fractions": float, "peer_batch_sizes": int,
+               "peer_context_lens": int, "batch_sizes": int, "context_lens": int,
                "quant_levels": str, "lora_models": str, "lora_counts": int, "lora_ranks": str, "lora_quant": str}
 
 
@@ -136,7 +140,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--models", default=None,
                        help="comma-separated catalog names (`pagedserve models`), demo models or paths: "
                             "run the per-model study instead of the engine-baseline report")
-    unset = {"peer_rate_fractions": "the rate fractions", "lora_models": "every model"}
+    unset = {"peer_rate_fractions": "the rate fractions", "peer_batch_sizes": "the batch sizes",
+             "peer_context_lens": "the context lengths", "lora_models": "every model"}
     for flag in _LIST_FLAGS:
         default = ",".join(map(str, getattr(StudySettings(), flag))) or unset[flag]
         group.add_argument("--" + flag.replace("_", "-"), default=None,
@@ -237,8 +242,7 @@ def plan(models: list[str], s: StudySettings) -> list[Cell]:
             "memory": [Cell(m, "memory", "paged", cost=s.num_requests * (500.0 if s.memory_workload == "sharegpt"
                                                                       else 80.0))],
             "lora": lora_cells(m, s) if not s.lora_models or m in s.lora_models else [],
-            "peer": [Cell(m, "peer", f"{server} rate={f:g}", {"server": server, "fraction": f}, lat)
-                     for server in SERVERS for f in s.peer_rate_fractions or s.rate_fractions] if s.peer_server_cmd
+            "peer": [cell for server in SERVERS for cell in _peer_cells(m, server, s, lat)] if s.peer_server_cmd
             else [Cell(m, "peer", "llama.cpp", {"server": "llama.cpp"}, cost=0)],
         }
         # Costs are tokens; a token of a bigger model costs more, in proportion to its file.
@@ -246,6 +250,17 @@ def plan(models: list[str], s: StudySettings) -> list[Cell]:
         for part in s.parts:
             cells += [replace(c, cost=c.cost * weight) for c in by_part[part]]
     return cells
+
+
+def _peer_cells(model: str, server: str, s: StudySettings, latency_cost: float) -> list[Cell]:
+    """`server`'s cells, together (a server starts once per model): the latency cells' traces at
+    the peer rates, then the batch and context cells' requests over HTTP (wall clock)."""
+    return ([Cell(model, "peer", f"{server} rate={f:g}", {"server": server, "fraction": f}, latency_cost)
+             for f in s.peer_rate_fractions or s.rate_fractions]
+            + [Cell(model, "peer", f"{server} batch={b}", {"server": server, "batch": b},
+                    b * (s.prompt_len + s.output_len)) for b in s.peer_batch_sizes or s.batch_sizes]
+            + [Cell(model, "peer", f"{server} context={c}", {"server": server, "context": c},
+                    c + 4.0 * s.context_output_len) for c in s.peer_context_lens or s.context_lens])
 
 
 def _cost_weight(model: str) -> float:
@@ -418,11 +433,25 @@ class StudyRunner:
         return dict(record["result"])
 
     def _peer(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
-        server, fraction = cell.params["server"], cell.params["fraction"]
-        _, requests = self._latency_requests(info)
-        rate = fraction * self._capacity(cell.model)["capacity_req_s"]
-        summary = serve_trace(self.server(server, str(info["path"])).base_url, requests, rate, self.s.seed)
-        return {"server": server, "rate_fraction": fraction, "request_rate": rate, "clock": "wall (HTTP)", **summary}
+        """A latency cell's trace at its rate, a batch cell's requests all at once, or a context
+        cell's one request, sent to `server` over HTTP (wall clock)."""
+        s, server = self.s, cell.params["server"]
+        extra: dict[str, Any] = {}
+        if "batch" in cell.params:
+            requests = fixed(cell.params["batch"], s.prompt_len, s.output_len, info["vocab_size"], s.seed)
+            rate, extra = float("inf"), {"batch": cell.params["batch"]}
+        elif "context" in cell.params:
+            prompt = _context_prompt(cell.params["context"], s.context_output_len, info["max_position_embeddings"])
+            if prompt is None:
+                return {"skipped": f"beyond the model's context length ({info['max_position_embeddings']})"}
+            requests = fixed(1, prompt, s.context_output_len, info["vocab_size"], s.seed)
+            rate, extra = float("inf"), {"prompt_tokens": prompt}
+        else:
+            _, requests = self._latency_requests(info)
+            rate = cell.params["fraction"] * self._capacity(cell.model)["capacity_req_s"]
+            extra = {"rate_fraction": cell.params["fraction"]}
+        summary = serve_trace(self.server(server, str(info["path"])).base_url, requests, rate, s.seed)
+        return {"server": server, "request_rate": rate, "clock": "wall (HTTP)", **extra, **summary}
 
     def _latency(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
         spec, requests = self._latency_requests(info)

@@ -29,31 +29,44 @@ SECTIONS = {  # part -> (title, plot file or "", how to read it)
                 "queue starting to grow, the model's saturation. Simulated clock advanced by a step-time "
                 "model fitted to the model's measured steps (bench/clock.py)."),
     "batch": ("Throughput against batch size", "batch.png",
-              "B requests of the same length queued at once (B = batch size): output tokens per second."),
+              "B requests of the same length queued at once (B = batch size): output tokens per second, "
+              "log scales. Solid with dots: the engine in process (simulated clock); with "
+              "--peer-server-cmd also the same requests over HTTP on the wall clock, `pagedserve serve` "
+              "dotted and the peer dashed with hollow markers (their rows: the peer section's table)."),
     "context": ("Prefill and decode against context length", "context.png",
                 "One request of prompt length L: TTFT is the prefill of L tokens, TPOT a decode step "
-                "attending L tokens. Lengths past the model's limit are skipped."),
+                "attending L tokens. Lengths past the model's limit are skipped. Lines as in the batch "
+                "figure: in process, and with --peer-server-cmd both servers over HTTP."),
     "quant": ("Throughput against weight format", "quant.png",
               "The same requests with the model's weights as in its file (native), requantized to int8 / "
-              "int4, or dequantized to bf16 / fp32."),
+              "int4, or dequantized to bf16 / fp32. No peer line: llama.cpp serves a GGUF file's own "
+              "types, and the other levels would be other files (made with llama-quantize); its point "
+              "at native is the batch figure's peer line at the same number of requests."),
     "memory": ("KV memory: bytes per token and live share", "memory.png",
                "A ShareGPT-like trace (Alpaca-like with --quick) in a bounded paged KV pool: bytes of K/V per "
                "token, and how the pool's "
                "memory in use splits into live token states, slots reserved for the next tokens, and "
                "fragmentation (summed over steps; the vLLM paper's waste breakdown). The last two columns: "
                "the KV one 8192-token sequence holds once windowed layers have given their slid-out blocks "
-               "back (Gemma's sliding-window saving), against keeping every block."),
+               "back (Gemma's sliding-window saving), against keeping every block. No peer column: "
+               "llama-server allocates its KV cache whole at start (--ctx-size tokens, shared by its "
+               "slots), so its live share is simply the tokens in flight over that size, not a paged "
+               "pool's breakdown."),
     "lora": ("Multi-LoRA: adapter count, rank, base quantization and switching overhead", "lora.png",
              "The same requests (all queued) spread over K random adapters (PEFT layout, q/k/v/o) of rank r; "
              "request i uses adapter i % K, at most 16 resident at once (more are evicted and reloaded). "
              "The figure: the model's own weights; `lora_quant.png`: the same at the first rank on each "
              "base quantization; `lora_switch.png`: switching overhead and the two alternatives to "
-             "heterogeneous batching (tables below)."),
+             "heterogeneous batching (tables below). No peer: llama-server takes LoRA adapters as GGUF "
+             "files converted from PEFT (convert_lora_to_gguf.py), listed at start; switching among "
+             "256 of them is not something it is built for, and this study does not convert them."),
     "peer": ("Beside a peer: pagedserve and llama.cpp over HTTP", "peer.png",
              "`pagedserve serve` and the peer server (--peer-server-cmd: llama.cpp's llama-server on the same "
              "file) get the latency cells' requests at the same Poisson rates through the same streaming HTTP "
              "client (bench/loadgen.py), on the wall clock: p50 above, p99 below, one colour per model, "
-             "pagedserve solid with dots, the peer dashed with hollow squares. Without --peer-server-cmd the section says why there is no peer."),
+             "pagedserve solid with dots, the peer dashed with hollow squares. The table also holds both "
+             "servers' batch and context cells (drawn in those sections' figures). Without "
+             "--peer-server-cmd the section says why there is no peer."),
 }
 
 
@@ -95,8 +108,11 @@ def write_study_report(out_dir: Path, models: list[str], records: Records, parts
         title, figure, how = SECTIONS[part]
         rows = [(c, r["result"]) for c, r in records.items() if c.part == part]
         lines += [f"## {title}", "", how, "", f"Command: `{part_commands[part]}`", ""]
+        # The batch and context figures also draw the peer part's HTTP cells of their kind.
+        plotted = rows + [(c, r["result"]) for c, r in records.items()
+                          if c.part == "peer" and part in PEER_KINDS and PEER_KINDS[part] in c.params]
         if figure and any(_ok(r) for _, r in rows):
-            PLOTS[part](rows, out_dir / figure)
+            PLOTS[part](plotted, out_dir / figure)
             lines += [f"![{part}]({figure})", ""]
         for name, plot in EXTRA_PLOTS.get(part, []):
             if plot(rows, out_dir / name) is not None:
@@ -115,6 +131,10 @@ def _ok(result: dict[str, Any]) -> bool:
 
 def _not_run(result: dict[str, Any]) -> str:
     return str(result.get("error") or result.get("skipped") or result.get("reason") or "")
+
+
+# A part whose figure also draws the peer part's cells -> the parameter those cells carry.
+PEER_KINDS = {"batch": "batch", "context": "context"}
 
 
 # ---- tables -------------------------------------------------------------------------------
@@ -161,7 +181,10 @@ LATENCY_HEADERS = ["rate (req/s)", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (
 
 def _peer_table(rows: list[tuple[Cell, dict]]) -> str:
     def lead(c: Cell, r: dict) -> list:
-        return [c.model, c.params["server"], f"{c.params['fraction']:g} x C" if "fraction" in c.params else "-"]
+        p = c.params
+        load = f"{p['fraction']:g} x C" if "fraction" in p else f"batch {p['batch']} (all queued)" if "batch" in p \
+            else f"one prompt of {r.get('prompt_tokens', p['context'])}" if "context" in p else "-"
+        return [c.model, p["server"], load]
 
     def values(r: dict) -> list:
         return [r["request_rate"], r["ttft_ms"]["median"], r["ttft_ms"]["p99"], r["tpot_ms"]["median"],
@@ -292,17 +315,35 @@ def _by_model(rows: list[tuple[Cell, dict]], x: Callable[[Cell, dict], Any], y: 
     return series
 
 
+def _server(cell: Cell) -> str:
+    """Who served a cell: the in-process engine, or (peer cells) a server over HTTP."""
+    return str(cell.params.get("server", "in-process"))
+
+
 def _line_panels(rows: list[tuple[Cell, dict]], path: Path, xlabel: str, x: Callable[[Cell, dict], Any],
-                 panels: list[tuple[str, Callable[[dict], float]]], log2x: bool = False) -> Path:
+                 panels: list[tuple[str, Callable[[dict], float]]], log2x: bool = False, logy: bool = False) -> Path:
+    """One colour a model; with peer cells among `rows`, one line style and marker a server
+    (in-process solid with dots, then the HTTP servers; the peer's markers hollow)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    models = list(dict.fromkeys(c.model for c, _ in rows))
+    servers = list(dict.fromkeys(_server(c) for c, _ in rows))
+    several = len(servers) > 1
     for ax, (ylabel, y) in zip(axes[0], panels, strict=True):
-        for model, (xs, ys) in _by_model(rows, x, y).items():
-            ax.plot(xs, ys, marker="o", label=model)
+        series = _by_model(rows, x, y, lambda c: f"{c.model}, {_server(c)}" if several else c.model)
+        for name, (xs, ys) in series.items():
+            model, _, srv = name.partition(", ")
+            k = servers.index(srv) if several else 0
+            ax.plot(xs, ys, ["-", ":", "--", "-."][k % 4], marker="oDs^"[k % 4],
+                    markerfacecolor="none" if srv == "llama.cpp" else None,
+                    color=colors[models.index(model) % len(colors)], label=name)
         ax.set(xlabel=xlabel, ylabel=ylabel)
         if log2x:
             ax.set_xscale("log", base=2)
-    axes[0][0].legend(fontsize=8)
+        if logy:
+            ax.set_yscale("log")
+    axes[0][0].legend(fontsize=7 if several else 8)
     return save_figure(fig, path.parent, path.name)
 
 
@@ -445,11 +486,11 @@ PLOTS: dict[str, Callable[[list[tuple[Cell, dict]], Path], Path]] = {
     "batch": lambda rows, path: _line_panels(
         rows, path, "batch size", lambda c, r: c.params["batch"],
         [("output tok/s", lambda r: r["output_throughput"]), ("TPOT p50 (ms)", lambda r: r["tpot_ms"]["median"])],
-        log2x=True),
+        log2x=True, logy=True),
     "context": lambda rows, path: _line_panels(
         rows, path, "prompt tokens", lambda c, r: r.get("prompt_tokens", c.params["context"]),
         [("TTFT (ms)", lambda r: r["ttft_ms"]["median"]), ("TPOT p50 (ms)", lambda r: r["tpot_ms"]["median"])],
-        log2x=True),
+        log2x=True, logy=True),
     "quant": lambda rows, path: _line_panels(
         rows, path, "weights", lambda c, r: c.key,
         [("output tok/s", lambda r: r["output_throughput"]), ("TPOT p50 (ms)", lambda r: r["tpot_ms"]["median"])]),
@@ -457,7 +498,8 @@ PLOTS: dict[str, Callable[[list[tuple[Cell, dict]], Path], Path]] = {
         rows, path, [("KV bytes per token", lambda r: r["kv_bytes_per_token"]),
                      ("live token states (% of KV in use)", lambda r: 100 * r["memory"]["shares"]["token_states"])]),
     "lora": _plot_lora,
-    "peer": lambda rows, path: _plot_latency(rows, path, lambda c: c.params["server"]),
+    "peer": lambda rows, path: _plot_latency([(c, r) for c, r in rows if "fraction" in c.params], path,
+                                             lambda c: c.params["server"]),
 }
 
 # Further figures of a part's section (file, plot; a plot returns None when it has nothing to draw).

@@ -130,14 +130,29 @@ def test_a_cell_saved_under_other_settings_is_measured_again(tmp_path):
 @pytest.mark.slow
 def test_peer_cells_serve_the_latency_trace_over_http(tmp_path):
     """--peer-server-cmd, with `pagedserve serve` standing in for llama.cpp's server: both
-    servers get the latency cells' requests at the same rates over HTTP."""
+    servers get the latency cells' requests at the same rates over HTTP, and the batch and
+    context cells' requests, which the batch and context figures draw beside the in-process
+    engine's."""
     from pagedserve.bench.peer import PAGEDSERVE_SERVER_CMD
 
     args = parse_bench_args(["report", "--models", "llama-gqa", "--quick", "--no-progress", "--num-requests", "4",
-                             "--rate-fractions", "0.5", "--peer-rate-fractions", "0.5", "--parts", "latency,peer", "--out", str(tmp_path),
-                             "--peer-server-cmd", PAGEDSERVE_SERVER_CMD])
+                             "--rate-fractions", "0.5", "--peer-rate-fractions", "0.5", "--batch-sizes", "1,3",
+                             "--peer-batch-sizes", "1,3", "--context-lens", "16,4096", "--peer-context-lens", "16,4096",
+                             "--parts", "latency,batch,context,peer",
+                             "--out", str(tmp_path), "--peer-server-cmd", PAGEDSERVE_SERVER_CMD])
     assert run_bench(args) == 0
     store = _store(tmp_path, args)
+    report = (tmp_path / "report.md").read_text()
+    cells = [c for c in plan(["llama-gqa"], settings_from_args(args, None)) if c.part == "peer"]
+    assert [c.params["server"] for c in cells] == ["pagedserve"] * 5 + ["llama.cpp"] * 5, "a server's cells together"
+    for server in ("pagedserve", "llama.cpp"):
+        batch = store.load(Cell("llama-gqa", "peer", f"{server} batch=3"))["result"]
+        assert batch["completed"] == 3 and batch["total_output_tokens"] == 3 * 32
+        context = store.load(Cell("llama-gqa", "peer", f"{server} context=16"))["result"]
+        assert context["completed"] == 1 and context["prompt_tokens"] == 16
+        assert f"| llama-gqa | {server} | batch 3 (all queued) |" in report
+        assert f"| llama-gqa | {server} | one prompt of 16 |" in report
+    assert (tmp_path / "batch.png").stat().st_size > 1000 and (tmp_path / "context.png").stat().st_size > 1000
     latency = store.load(Cell("llama-gqa", "latency", "rate=0.5"))["result"]
     served = [store.load(Cell("llama-gqa", "peer", f"{server} rate=0.5"))["result"]
               for server in ("pagedserve", "llama.cpp")]
