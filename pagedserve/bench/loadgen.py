@@ -159,6 +159,12 @@ async def send_request(
     return result
 
 
+# A request that receives nothing for this long fails (ReadTimeout) instead of holding the run:
+# llama-server once stopped answering mid-study with a stream open. Longer than any prefill
+# here (an 8k-token prompt on the 1.5B model: ~130 s before its first token).
+READ_TIMEOUT_S = 900.0
+
+
 async def run_benchmark(
     base_url: str, model: str, requests: list[BenchRequest], request_rate: float = math.inf,
     burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0, api_key: str | None = None,
@@ -170,7 +176,7 @@ async def run_benchmark(
     connections = max_concurrency or len(requests)
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0), limits=limits) as http:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0, read=READ_TIMEOUT_S), limits=limits) as http:
         async def one(req: BenchRequest) -> RequestResult:
             if limit is None:
                 return await send_request(http, url, model, req, headers)

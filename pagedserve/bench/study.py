@@ -450,7 +450,11 @@ class StudyRunner:
             _, requests = self._latency_requests(info)
             rate = cell.params["fraction"] * self._capacity(cell.model)["capacity_req_s"]
             extra = {"rate_fraction": cell.params["fraction"]}
-        summary = serve_trace(self.server(server, str(info["path"])).base_url, requests, rate, s.seed)
+        try:
+            summary = serve_trace(self.server(server, str(info["path"])).base_url, requests, rate, s.seed)
+        except BaseException:
+            self.close()  # a server that failed a cell may be stuck: the next cell starts a fresh one
+            raise
         return {"server": server, "request_rate": rate, "clock": "wall (HTTP)", **extra, **summary}
 
     def _latency(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
