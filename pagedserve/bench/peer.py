@@ -68,6 +68,9 @@ class Server:
                 self.process.wait()
 
 
+WARM_UP_PROMPT = [11, 12, 13, 14]
+
+
 def serve_trace(base_url: str, requests: list[Any], rate: float, seed: int) -> dict[str, Any]:
     """`requests` (WorkloadRequest: token ids and output lengths) streamed to the server at
     Poisson `rate`, after one warm-up request; loadgen's summary (TTFT / TPOT / E2E in ms).
@@ -82,7 +85,10 @@ def serve_trace(base_url: str, requests: list[Any], rate: float, seed: int) -> d
     bench = [loadgen.BenchRequest(list(r.prompt_token_ids), len(r.prompt_token_ids), r.output_len)
              for r in requests]
     model = asyncio.run(loadgen.default_model(base_url))
-    asyncio.run(loadgen.run_benchmark(base_url, model, bench[:1], seed=seed))  # warm-up
+    # Warm-up with a prompt of its own: the trace's first request would sit in the server's
+    # prefix cache (both servers keep one) and its measured prefill would be a cache hit.
+    asyncio.run(loadgen.run_benchmark(base_url, model, [loadgen.BenchRequest(WARM_UP_PROMPT, len(WARM_UP_PROMPT), 4)],
+                                      seed=seed))
     results, duration = asyncio.run(loadgen.run_benchmark(base_url, model, bench, rate, seed=seed))
     summary = loadgen.summarize(results, duration)
     if summary["failed"]:

@@ -437,14 +437,17 @@ class StudyRunner:
         cell's one request, sent to `server` over HTTP (wall clock)."""
         s, server = self.s, cell.params["server"]
         extra: dict[str, Any] = {}
+        # Each batch / context cell draws its own prompts (seed per cell): with one seed, a cell's
+        # prompts begin with the previous cell's, and a server's prefix cache would serve them.
         if "batch" in cell.params:
-            requests = fixed(cell.params["batch"], s.prompt_len, s.output_len, info["vocab_size"], s.seed)
+            requests = fixed(cell.params["batch"], s.prompt_len, s.output_len, info["vocab_size"],
+                             s.seed + cell.params["batch"])
             rate, extra = float("inf"), {"batch": cell.params["batch"]}
         elif "context" in cell.params:
             prompt = _context_prompt(cell.params["context"], s.context_output_len, info["max_position_embeddings"])
             if prompt is None:
                 return {"skipped": f"beyond the model's context length ({info['max_position_embeddings']})"}
-            requests = fixed(1, prompt, s.context_output_len, info["vocab_size"], s.seed)
+            requests = fixed(1, prompt, s.context_output_len, info["vocab_size"], s.seed + prompt)
             rate, extra = float("inf"), {"prompt_tokens": prompt}
         else:
             _, requests = self._latency_requests(info)
