@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedserve.bench.sim import SimClock, run_simulated
 from pagedserve.bench.workloads import (
+    WARM_UP,
     WORKLOADS,
     WorkloadRequest,
     fit_to_context,
@@ -175,7 +176,7 @@ def warm_up(engine: Any) -> None:
     Driven like a trace (`run_simulated`): the engine's clock is simulated, so a batching
     baseline's window only passes, and its queue only closes, when the driver says so.
     """
-    run_simulated(engine, [WorkloadRequest([11, 12, 13, 14], 4)], [0.0], id_prefix="warmup-")
+    run_simulated(engine, [WARM_UP], [0.0], id_prefix="warmup-")
 
 
 def progress(total: int, desc: str, enabled: bool, leave: bool = False) -> Any:

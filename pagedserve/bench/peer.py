@@ -21,6 +21,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from pagedserve.bench.workloads import WARM_UP
+
 PAGEDSERVE_SERVER_CMD = f"{shlex.quote(sys.executable)} -m pagedserve.entrypoints.cli serve {{model}} " \
                         "--host 127.0.0.1 --port {port}"
 START_TIMEOUT_S = 900.0  # a 1.5B model's first start builds the C++ kernels and loads ~1 GB
@@ -68,9 +70,6 @@ class Server:
                 self.process.wait()
 
 
-WARM_UP_PROMPT = [11, 12, 13, 14]
-
-
 def serve_trace(base_url: str, requests: list[Any], rate: float, seed: int) -> dict[str, Any]:
     """`requests` (WorkloadRequest: token ids and output lengths) streamed to the server at
     Poisson `rate`, after one warm-up request; loadgen's summary (TTFT / TPOT / E2E in ms).
@@ -82,14 +81,14 @@ def serve_trace(base_url: str, requests: list[Any], rate: float, seed: int) -> d
 
     from pagedserve.bench import loadgen  # httpx: the [bench] extra
 
-    bench = [loadgen.BenchRequest(list(r.prompt_token_ids), len(r.prompt_token_ids), r.output_len)
-             for r in requests]
+    def bench(rs: list[Any]) -> list[Any]:
+        return [loadgen.BenchRequest(list(r.prompt_token_ids), len(r.prompt_token_ids), r.output_len) for r in rs]
+
     model = asyncio.run(loadgen.default_model(base_url))
-    # Warm-up with a prompt of its own: the trace's first request would sit in the server's
-    # prefix cache (both servers keep one) and its measured prefill would be a cache hit.
-    asyncio.run(loadgen.run_benchmark(base_url, model, [loadgen.BenchRequest(WARM_UP_PROMPT, len(WARM_UP_PROMPT), 4)],
-                                      seed=seed))
-    results, duration = asyncio.run(loadgen.run_benchmark(base_url, model, bench, rate, seed=seed))
+    # Not the trace's first request: both servers keep a prefix cache, and it would serve that
+    # request's measured prefill.
+    asyncio.run(loadgen.run_benchmark(base_url, model, bench([WARM_UP]), seed=seed))
+    results, duration = asyncio.run(loadgen.run_benchmark(base_url, model, bench(requests), rate, seed=seed))
     summary = loadgen.summarize(results, duration)
     if summary["failed"]:
         raise RuntimeError(f"{summary['failed']} requests failed: {'; '.join(summary['errors'])}")

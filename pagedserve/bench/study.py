@@ -263,6 +263,10 @@ def _peer_cells(model: str, server: str, s: StudySettings, latency_cost: float) 
                     c + 4.0 * s.context_output_len) for c in s.peer_context_lens or s.context_lens])
 
 
+def _beyond_context(info: dict[str, Any]) -> dict[str, Any]:
+    return {"skipped": f"beyond the model's context length ({info['max_position_embeddings']})"}
+
+
 def _cost_weight(model: str) -> float:
     """A model's time per token relative to a ~100 MB one, from its catalog file's size (1 for
     others). Less than in proportion: `--quick` took 1.9x, 4.7x and 2.0x SmolLM2's time on the
@@ -437,18 +441,14 @@ class StudyRunner:
         cell's one request, sent to `server` over HTTP (wall clock)."""
         s, server = self.s, cell.params["server"]
         extra: dict[str, Any] = {}
-        # Each batch / context cell draws its own prompts (seed per cell): with one seed, a cell's
-        # prompts begin with the previous cell's, and a server's prefix cache would serve them.
         if "batch" in cell.params:
-            requests = fixed(cell.params["batch"], s.prompt_len, s.output_len, info["vocab_size"],
-                             s.seed + cell.params["batch"])
+            requests = self._batch_requests(cell.params["batch"], info)
             rate, extra = float("inf"), {"batch": cell.params["batch"]}
         elif "context" in cell.params:
-            prompt = _context_prompt(cell.params["context"], s.context_output_len, info["max_position_embeddings"])
-            if prompt is None:
-                return {"skipped": f"beyond the model's context length ({info['max_position_embeddings']})"}
-            requests = fixed(1, prompt, s.context_output_len, info["vocab_size"], s.seed + prompt)
-            rate, extra = float("inf"), {"prompt_tokens": prompt}
+            context = self._context_requests(cell.params["context"], info)
+            if context is None:
+                return _beyond_context(info)
+            requests, rate, extra = context, float("inf"), {"prompt_tokens": len(context[0].prompt_token_ids)}
         else:
             _, requests = self._latency_requests(info)
             rate = cell.params["fraction"] * self._capacity(cell.model)["capacity_req_s"]
@@ -477,17 +477,30 @@ class StudyRunner:
         result = self._run(spec, requests, arrivals, step_time=step_model)
         return {"rate_fraction": cell.params["fraction"], "request_rate": rate, "clock": cap["clock"], **result}
 
+    # The batch and context cells' requests, the same in process and over HTTP (the peer part).
+    # A seed per cell: with one seed a cell's prompts would begin with the previous cell's, and
+    # a server's prefix cache would serve them.
+    def _batch_requests(self, batch: int, info: dict[str, Any]) -> list[WorkloadRequest]:
+        s = self.s
+        return fixed(batch, s.prompt_len, s.output_len, info["vocab_size"], s.seed + batch)
+
+    def _context_requests(self, context: int, info: dict[str, Any]) -> list[WorkloadRequest] | None:
+        """One request of the longest prompt up to `context` that fits the model with its
+        output; None past the model's limit."""
+        out = self.s.context_output_len
+        prompt = _context_prompt(context, out, info["max_position_embeddings"])
+        return None if prompt is None else fixed(1, prompt, out, info["vocab_size"], self.s.seed + prompt)
+
     def _batch(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
-        s, b = self.s, cell.params["batch"]
-        return self._run(self._engine_spec(info), fixed(b, s.prompt_len, s.output_len, info["vocab_size"], s.seed), repeats=s.repeats)
+        requests = self._batch_requests(cell.params["batch"], info)
+        return self._run(self._engine_spec(info), requests, repeats=self.s.repeats)
 
     def _context(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
-        out, limit = self.s.context_output_len, info["max_position_embeddings"]
-        prompt = _context_prompt(cell.params["context"], out, limit)
-        if prompt is None:
-            return {"skipped": f"beyond the model's context length ({limit})"}
-        requests = fixed(1, prompt, out, info["vocab_size"], self.s.seed)
-        return {"prompt_tokens": prompt, **self._run(self._engine_spec(info), requests, repeats=self.s.repeats)}
+        requests = self._context_requests(cell.params["context"], info)
+        if requests is None:
+            return _beyond_context(info)
+        return {"prompt_tokens": len(requests[0].prompt_token_ids),
+                **self._run(self._engine_spec(info), requests, repeats=self.s.repeats)}
 
     def _quant(self, cell: Cell, info: dict[str, Any]) -> dict[str, Any]:
         s, level = self.s, cell.params["level"]
@@ -497,7 +510,7 @@ class StudyRunner:
                                "float32": ("float32", NO_QUANTIZATION)}[level]
         # A GGUF file's blocks are what the loader serves unasked: native is the other parts' engine.
         spec = self._engine_spec(info, dtype=dtype, quantization=None if level == "native" else quantization)
-        requests = fixed(s.quant_requests, s.prompt_len, s.output_len, info["vocab_size"], s.seed)
+        requests = self._batch_requests(s.quant_requests, info)  # the batch cell's of that size
         label = f"native ({info['weights']})" if level == "native" else level
         return {"label": label, "dtype": dtype, "quantization": quantization,
                 **self._run(spec, requests, repeats=s.repeats)}

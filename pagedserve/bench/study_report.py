@@ -110,7 +110,7 @@ def write_study_report(out_dir: Path, models: list[str], records: Records, parts
         lines += [f"## {title}", "", how, "", f"Command: `{part_commands[part]}`", ""]
         # The batch and context figures also draw the peer part's HTTP cells of their kind.
         plotted = rows + [(c, r["result"]) for c, r in records.items()
-                          if c.part == "peer" and part in PEER_KINDS and PEER_KINDS[part] in c.params]
+                          if c.part == "peer" and part in PEER_DRAWN_IN and part in c.params]
         if figure and any(_ok(r) for _, r in rows):
             PLOTS[part](plotted, out_dir / figure)
             lines += [f"![{part}]({figure})", ""]
@@ -133,8 +133,8 @@ def _not_run(result: dict[str, Any]) -> str:
     return str(result.get("error") or result.get("skipped") or result.get("reason") or "")
 
 
-# A part whose figure also draws the peer part's cells -> the parameter those cells carry.
-PEER_KINDS = {"batch": "batch", "context": "context"}
+# Parts whose figure also draws the peer part's cells of their kind (cells with that parameter).
+PEER_DRAWN_IN = ("batch", "context")
 
 
 # ---- tables -------------------------------------------------------------------------------
@@ -320,55 +320,60 @@ def _server(cell: Cell) -> str:
     return str(cell.params.get("server", "in-process"))
 
 
+class _Styles:
+    """One colour a model and, when `rows` come from more than one server, one line style and
+    marker a server: the first solid with dots, the peer (llama.cpp) dashed with hollow squares
+    (told apart even where it has a single point), any other dotted with diamonds. Series are
+    labelled "model" or "model, server"."""
+
+    def __init__(self, plt: Any, rows: list[tuple[Cell, dict]]) -> None:
+        self.colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        self.models = list(dict.fromkeys(c.model for c, _ in rows))
+        self.servers = list(dict.fromkeys(_server(c) for c, _ in rows))
+        self.several = len(self.servers) > 1
+
+    def label(self, cell: Cell) -> str:
+        return f"{cell.model}, {_server(cell)}" if self.several else cell.model
+
+    def plot(self, ax: Any, series: dict[str, tuple[list, list]]) -> None:
+        for name, (xs, ys) in series.items():
+            model, _, server = name.partition(", ")
+            peer = server == "llama.cpp"
+            first = not self.several or self.servers.index(server) == 0
+            line, marker = ("--", "s") if peer else ("-", "o") if first else (":", "D")
+            ax.plot(xs, ys, line, marker=marker, markerfacecolor="none" if peer else None,
+                    color=self.colors[self.models.index(model) % len(self.colors)], label=name)
+
+
 def _line_panels(rows: list[tuple[Cell, dict]], path: Path, xlabel: str, x: Callable[[Cell, dict], Any],
                  panels: list[tuple[str, Callable[[dict], float]]], log2x: bool = False, logy: bool = False) -> Path:
-    """One colour a model; with peer cells among `rows`, one line style and marker a server
-    (in-process solid with dots, then the HTTP servers; the peer's markers hollow)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    models = list(dict.fromkeys(c.model for c, _ in rows))
-    servers = list(dict.fromkeys(_server(c) for c, _ in rows))
-    several = len(servers) > 1
+    styles = _Styles(plt, rows)
     for ax, (ylabel, y) in zip(axes[0], panels, strict=True):
-        series = _by_model(rows, x, y, lambda c: f"{c.model}, {_server(c)}" if several else c.model)
-        for name, (xs, ys) in series.items():
-            model, _, srv = name.partition(", ")
-            k = servers.index(srv) if several else 0
-            ax.plot(xs, ys, ["-", ":", "--", "-."][k % 4], marker="oDs^"[k % 4],
-                    markerfacecolor="none" if srv == "llama.cpp" else None,
-                    color=colors[models.index(model) % len(colors)], label=name)
+        styles.plot(ax, _by_model(rows, x, y, styles.label))
         ax.set(xlabel=xlabel, ylabel=ylabel)
         if log2x:
             ax.set_xscale("log", base=2)
         if logy:
             ax.set_yscale("log")
-    axes[0][0].legend(fontsize=7 if several else 8)
+    axes[0][0].legend(fontsize=7 if styles.several else 8)
     return save_figure(fig, path.parent, path.name)
 
 
-def _plot_latency(rows: list[tuple[Cell, dict]], path: Path, server: Callable[[Cell], str] | None = None) -> Path:
+def _plot_latency(rows: list[tuple[Cell, dict]], path: Path) -> Path:
     """p50 (top row) and p99 (bottom) of TTFT, TPOT and E2E against the load as a fraction of
     each model's capacity (the models' rates differ 6x; their fractions line up). One colour a
-    model; with `server` (the peer part), one line style a server."""
+    model; the peer part's rows: one line style a server."""
     plt = pyplot()
     rated = [(c, r) for c, r in rows if c.key != "capacity"]
     metrics = [("ttft_ms", "TTFT (ms)", 1.0), ("tpot_ms", "TPOT (ms)", 1.0), ("e2e_ms", "E2E latency (s)", 1e-3)]
     fig, axes = plt.subplots(2, 3, figsize=(15, 7), squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    models = list(dict.fromkeys(c.model for c, _ in rated))
-    servers = list(dict.fromkeys(server(c) for c, _ in rated)) if server else [""]
-    styles = ["-", "--", ":", "-."]
+    styles = _Styles(plt, rated)
     for row, pct in enumerate(("median", "p99")):
         for ax, (key, ylabel, scale) in zip(axes[row], metrics, strict=True):
-            series = _by_model(rated, lambda c, r: c.params["fraction"],
-                               partial(_percentile, key=key, pct=pct, scale=scale),
-                               lambda c: f"{c.model}, {server(c)}" if server else c.model)
-            for name, (xs, ys) in series.items():
-                model, _, srv = name.partition(", ")
-                k = servers.index(srv)  # the peer's points hollow squares: told apart at one rate too
-                ax.plot(xs, ys, styles[k % len(styles)], marker="os^D"[k % 4], markerfacecolor=None if k == 0 else "none",
-                        color=colors[models.index(model) % len(colors)], label=name)
+            styles.plot(ax, _by_model(rated, lambda c, r: c.params["fraction"],
+                                      partial(_percentile, key=key, pct=pct, scale=scale), styles.label))
             ax.set(xlabel="load (fraction of the model's capacity C)",
                    ylabel=f"{ylabel}, {'p50' if pct == 'median' else 'p99'}")
             ax.set_yscale("log")
@@ -498,8 +503,7 @@ PLOTS: dict[str, Callable[[list[tuple[Cell, dict]], Path], Path]] = {
         rows, path, [("KV bytes per token", lambda r: r["kv_bytes_per_token"]),
                      ("live token states (% of KV in use)", lambda r: 100 * r["memory"]["shares"]["token_states"])]),
     "lora": _plot_lora,
-    "peer": lambda rows, path: _plot_latency([(c, r) for c, r in rows if "fraction" in c.params], path,
-                                             lambda c: c.params["server"]),
+    "peer": lambda rows, path: _plot_latency([(c, r) for c, r in rows if "fraction" in c.params], path),
 }
 
 # Further figures of a part's section (file, plot; a plot returns None when it has nothing to draw).

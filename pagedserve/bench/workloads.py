@@ -20,6 +20,11 @@ class WorkloadRequest:
     output_len: int
 
 
+# The request that warms an engine or a server up before a timed run: a prompt no measured
+# request starts with, so no prefix cache serves a measured prefill from it.
+WARM_UP = WorkloadRequest([11, 12, 13, 14], 4)
+
+
 @dataclass(frozen=True, slots=True)
 class LengthDist:
     mean: float
