@@ -16,6 +16,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -49,16 +50,26 @@ class Server:
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}"
         argv = shlex.split(command.format(model=shlex.quote(model_path), port=port))
-        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # Its log goes to a file, not a pipe: nobody reads a pipe while the server runs, and a
+        # server that filled one (64 KiB: llama-server logs every request) blocked in its next
+        # write with every open stream waiting on it.
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not healthy(self.base_url):
             if self.process.poll() is not None:
-                err = (self.process.stderr.read() if self.process.stderr else "")[-800:]
-                raise RuntimeError(f"server exited with {self.process.returncode} before /health: {err}")
+                raise RuntimeError(f"server exited with {self.process.returncode} before /health: "
+                                   f"{self.log_tail()}")
             if time.monotonic() > deadline:
                 self.close()
                 raise RuntimeError(f"server not healthy after {START_TIMEOUT_S:.0f} s: {command}")
             time.sleep(0.5)
+
+    def log_tail(self, chars: int = 800) -> str:
+        """The end of what the server wrote to stderr so far."""
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-chars:]
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -68,6 +79,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self.log.close()
 
 
 def serve_trace(base_url: str, requests: list[Any], rate: float, seed: int) -> dict[str, Any]:

@@ -247,3 +247,33 @@ def test_a_lora_model_outside_the_models_is_refused():
     args = parse_bench_args([*ARGS, "--out", "unused", "--lora-models", "qwen3"])
     with pytest.raises(ValueError, match="--lora-models: qwen3 not among --models"):
         plan(MODELS, settings_from_args(args, None))
+
+
+def test_a_peer_server_that_logs_more_than_a_pipe_holds_is_not_blocked(tmp_path):
+    """llama-server logs every request to stderr; a pipe nobody read (64 KiB) once filled during
+    the study and the server blocked in its next write, every stream left open."""
+    import sys
+    import threading
+
+    from pagedserve.bench.peer import Server
+
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import http.server, sys\n"
+        "sys.stderr.write('x' * 300_000 + 'end of log')\n"
+        "sys.stderr.flush()\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200)\n"
+        "        self.end_headers()\n"
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+    started: list[Server] = []
+    worker = threading.Thread(target=lambda: started.append(Server(f"{sys.executable} {script} {{port}}", "-")),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert started, "the server never answered /health: blocked writing its log"
+    try:
+        assert started[0].log_tail().count("end of log") == 1
+    finally:
+        started[0].close()
