@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from pagedserve import envs
+from pagedserve.file_lock import file_lock
 
 logger = logging.getLogger(__name__)
 
@@ -271,8 +272,7 @@ def _load(kernel: Kernel, isa: envs.IsaName, extra_cflags: tuple[str, ...],
     namespace = namespace or kernel.namespace
     start = time.perf_counter()
     try:
-        _build(kernel, (*CFLAGS, *ISA_VARIANTS[isa].march, *kernel.cflags, *extra_cflags,
-                        f"-DPAGEDSERVE_OPS_NAMESPACE={namespace}"))
+        _build(kernel, kernel_cflags(kernel, isa, extra_cflags, namespace))
     except KernelUnavailable as exc:
         logger.warning("%s", exc)
         return Loaded(kernel, None, str(exc), time.perf_counter() - start, built=False)
@@ -301,15 +301,25 @@ def _sources(kernel: Kernel) -> list[pathlib.Path]:
     return paths
 
 
-def _build(kernel: Kernel, cflags: tuple[str, ...]) -> None:
-    from torch.utils import cpp_extension
+def kernel_cflags(kernel: Kernel, isa: envs.IsaName, extra_cflags: tuple[str, ...] = (),
+                  namespace: str | None = None) -> tuple[str, ...]:
+    """The compiler flags of one build of `kernel` (what `load` passes to `_build`)."""
+    return (*CFLAGS, *ISA_VARIANTS[isa].march, *kernel.cflags, *extra_cflags,
+            f"-DPAGEDSERVE_OPS_NAMESPACE={namespace or kernel.namespace}")
 
-    sources = _sources(kernel)
+
+def build_folder(kernel: Kernel, cflags: tuple[str, ...]) -> pathlib.Path:
+    """The build folder of `kernel` with `cflags`: named by the machine, flags and sources."""
     digest = hashlib.sha1(f"{machine_signature()}|{' '.join(cflags)}".encode())
-    for path in sources:
+    for path in _sources(kernel):
         digest.update(path.read_bytes())
-    name = f"pagedserve_{kernel.name}_{digest.hexdigest()[:10]}"
-    build_dir = envs.torch_extensions_dir() / name
+    return envs.torch_extensions_dir() / f"pagedserve_{kernel.name}_{digest.hexdigest()[:10]}"
+
+
+def _build(kernel: Kernel, cflags: tuple[str, ...]) -> None:
+    sources = _sources(kernel)
+    build_dir = build_folder(kernel, cflags)
+    name = build_dir.name
     src_dir = build_dir / "src"
     src_dir.mkdir(parents=True, exist_ok=True)
     for path in sources:  # the digest names these bytes: a racing process copies the same
@@ -320,6 +330,22 @@ def _build(kernel: Kernel, cflags: tuple[str, ...]) -> None:
             os.replace(partial, target)
     if not (build_dir / f"{name}.so").exists():
         logger.info("compiling the C++ %s (first use here, 10-30 s)", kernel.what)
+    # torch marks a build in progress with a `lock` file (its FileBaton) that a builder killed
+    # mid-compile leaves behind, and every later load then waits on it forever. Builders of
+    # this folder take `build.flock` first, which dies with its process: whoever holds it and
+    # still finds `lock` knows it is stale.
+    with file_lock(build_dir / "build.flock"):
+        baton = build_dir / "lock"
+        if baton.exists():
+            logger.warning("removing a stale build lock left by an interrupted build: %s", baton)
+            baton.unlink(missing_ok=True)
+        _cpp_load(kernel, name, src_dir, build_dir, cflags)
+
+
+def _cpp_load(kernel: Kernel, name: str, src_dir: pathlib.Path, build_dir: pathlib.Path,
+              cflags: tuple[str, ...]) -> None:
+    from torch.utils import cpp_extension
+
     try:
         cpp_extension.load(
             name=name,

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve import envs
+from pagedserve.file_lock import file_lock
 
 __all__ = [
     "DEMO_MODEL",
@@ -367,23 +368,6 @@ def _hash(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
-@contextlib.contextmanager
-def _file_lock(path: pathlib.Path) -> Iterator[None]:
-    # Only an optimisation (avoid N workers building the same folder); correctness comes
-    # from the atomic rename, so platforms without fcntl simply skip locking.
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX
-        yield
-        return
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def truncated_copy(source: pathlib.Path, num_layers: int) -> pathlib.Path:
     """A draft model (speculative decoding tests and benchmark): `source` with only its first
     `num_layers` decoder layers, same tokenizer; built once under the demo-model cache."""
@@ -407,7 +391,8 @@ def _build_once(target: pathlib.Path, build: Callable[[pathlib.Path], None]) -> 
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    # Only spares N workers building the same folder; correctness comes from the atomic rename.
+    with file_lock(target.parent / f".{target.name}.lock"):
         if target.is_dir():  # another process built it while we waited
             return target
         # Leftovers of builds that were killed (we hold the lock, so none is running).

@@ -41,6 +41,8 @@ from pagedserve.quantization.base import LinearCall, LinearMethod, linear_call
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN picks its blocking from an expected batch; measured flat from 16 to 256 rows here.
 _EXPECTED_ROWS = 64
+# The buffer of the GEMV kernel's pair tiles (gemv.pack_tiles); MoE stacks it over experts.
+GEMV_TILES = "gemv_weight"
 
 
 def onednn_available() -> bool:
@@ -82,7 +84,7 @@ class PackedLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         dense = layer.weight.detach()
         if gemv.takes(dense):
-            layer.register_buffer("gemv_weight", gemv.pack_tiles(dense), persistent=False)
+            layer.register_buffer(GEMV_TILES, gemv.pack_tiles(dense), persistent=False)
         if not onednn_packs(dense.dtype):
             return  # keeps `weight` for F.linear
         packed = torch.ops.mkldnn._reorder_linear_weight(dense, _EXPECTED_ROWS)
@@ -92,7 +94,7 @@ class PackedLinearMethod(LinearMethod):
         layer.packed_weight = packed
 
     def weight_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
-        names = ("packed_weight", "weight", "gemv_weight")
+        names = ("packed_weight", "weight", GEMV_TILES)
         return [getattr(layer, n) for n in names if getattr(layer, n, None) is not None]
 
     def weight_bytes(self, layer: nn.Module) -> int:
@@ -106,16 +108,16 @@ class PackedLinearMethod(LinearMethod):
         else:
             layer.weight.data += delta.to(layer.weight.dtype)
             dense = layer.weight.detach()
-        if hasattr(layer, "gemv_weight"):
-            layer.gemv_weight = gemv.pack_tiles(dense)
+        if hasattr(layer, GEMV_TILES):
+            setattr(layer, GEMV_TILES, gemv.pack_tiles(dense))
 
     def decode_op(self, layer: nn.Module) -> LinearCall | None:
-        tiles = getattr(layer, "gemv_weight", None)
+        tiles = getattr(layer, GEMV_TILES, None)
         return None if tiles is None else linear_call("gemv_dense", tiles, bias=getattr(layer, "bias", None))
 
     def decode_max_rows(self, layer: nn.Module) -> int:
         # bf16 without oneDNN's bf16 GEMM: the kernel in chunks beats widening the weight.
-        if hasattr(layer, "gemv_weight") and not hasattr(layer, "packed_weight") and \
+        if hasattr(layer, GEMV_TILES) and not hasattr(layer, "packed_weight") and \
                 layer.weight.dtype == torch.bfloat16:
             return gemv.CHUNKED_MAX_ROWS
         return gemv.MAX_ROWS
@@ -130,7 +132,7 @@ class PackedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         bias = getattr(layer, "bias", None)
-        tiles = getattr(layer, "gemv_weight", None)
+        tiles = getattr(layer, GEMV_TILES, None)
         if tiles is not None:
             rows = gemv.rows_of(x)
             if rows <= gemv.MAX_ROWS:

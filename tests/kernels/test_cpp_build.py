@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
-from pagedserve import cpp_build
+from pagedserve import cpp_build, envs
 from pagedserve.cpp_build import Kernel, KernelUnavailable
 
 
@@ -30,3 +32,32 @@ def test_load_is_cached_per_process() -> None:
     if not first.built:
         pytest.skip(f"the fused ops cannot be built here: {first.reason}")
     assert cpp_build.load(cpp_build.FUSED_OPS) is first
+
+
+def test_a_stale_build_lock_from_a_killed_build_does_not_hang_the_next_load() -> None:
+    # A builder killed mid-compile leaves torch's `lock` file; torch alone waits on it forever.
+    first = cpp_build.load(cpp_build.FUSED_OPS)
+    if not first.built:
+        pytest.skip(f"the fused ops cannot be built here: {first.reason}")
+    kernel = cpp_build.FUSED_OPS
+    cflags = cpp_build.kernel_cflags(kernel, envs.isa())
+    baton = cpp_build.build_folder(kernel, cflags) / "lock"
+    assert baton.parent.is_dir()
+    baton.touch()
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            cpp_build._build(kernel, cflags)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    try:
+        worker = threading.Thread(target=build, daemon=True)
+        worker.start()
+        worker.join(timeout=120)
+        assert not worker.is_alive(), "the load waited on a stale build lock"
+        assert not errors, errors
+        assert not baton.exists()
+    finally:
+        baton.unlink(missing_ok=True)

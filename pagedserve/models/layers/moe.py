@@ -36,6 +36,7 @@ from pagedserve.models.layers.activation import SiluAndMul
 from pagedserve.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedserve.quantization import gemv
 from pagedserve.quantization.base import LinearCall
+from pagedserve.quantization.packed import GEMV_TILES
 
 
 class TopKRouter(nn.Module):
@@ -147,33 +148,25 @@ class FusedMoE(nn.ModuleList):
             self.stacked_tiles = self._dense_tiles(stacked)
         return self.calls
 
-    def _dense_tiles(self, stacked: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _dense_tiles(self, stacked: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(gate_up, down) stacked pair tiles when every expert's decode calls are `gemv_dense`
-        on views of them, in expert order; else None."""
+        (each reads its layer's `GEMV_TILES` buffer, a view of the stacked one); else None."""
         ops = self.ops
         if ops is None or not hasattr(ops, "gemv_moe") or any(
                 call is None or call[0] is not ops.gemv_dense or call[2] is not ops.gemv_dense
                 for call in self.calls):
             return None
-        calls = cast(list[ExpertCalls], self.calls)
-        found = []
-        for side, candidates in ((1, stacked[0]), (3, stacked[1])):
-            match = [t for t in candidates if t.dim() == 5 and all(
-                call[side][0] is not None and call[side][0].data_ptr() == t[e].data_ptr()  # type: ignore[union-attr]
-                and call[side][0].shape == t[e].shape for e, call in enumerate(calls))]  # type: ignore[union-attr]
-            if not match:
-                return None
-            found.append(match[0])
-        return found[0], found[1]
+        gate_up, down = (side.get(GEMV_TILES) for side in stacked)
+        return None if gate_up is None or down is None else (gate_up, down)
 
-    def _stack_buffers(self) -> list[list[torch.Tensor]]:
+    def _stack_buffers(self) -> list[dict[str, torch.Tensor]]:
         """Each projection's buffers, stacked over experts where every expert has the buffer
         with one shape and dtype; parameters (the loaded weights) stay where they are.
-        Returns the stacked tensors, per projection (gate_up, down)."""
+        Returns the stacked tensors by buffer name, per projection (gate_up, down)."""
         experts = cast(list[ExpertMLP], self)
-        made: list[list[torch.Tensor]] = []
+        made: list[dict[str, torch.Tensor]] = []
         for layers in ([e.gate_up_proj for e in experts], [e.down_proj for e in experts]):
-            made.append([])
+            made.append({})
             buffers = [dict(layer.named_buffers(recurse=False)) for layer in layers]
             for name in buffers[0]:
                 parts = [t for t in (b.get(name) for b in buffers) if t is not None]
@@ -183,7 +176,7 @@ class FusedMoE(nn.ModuleList):
                         for t in parts):
                     continue
                 stacked = torch.stack(parts)
-                made[-1].append(stacked)
+                made[-1][name] = stacked
                 for layer, view in zip(layers, stacked.unbind(0), strict=True):
                     setattr(layer, name, view)
         return made
