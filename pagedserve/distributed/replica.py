@@ -53,7 +53,8 @@ class EngineReplica:
 
     def __init__(self, engine_args: EngineArgs, replica_index: int) -> None:
         self.replica_index = replica_index
-        self.engine = AsyncLLMEngine(LLMEngine(engine_args.create_engine_config()))
+        # Built on the thread that steps it (engine/engine_thread.py).
+        self.engine = AsyncLLMEngine.build(lambda: LLMEngine(engine_args.create_engine_config()))
         self._groups: dict[str, RequestGroup] = {}
         # Aborts that found no group (insertion-ordered, bounded: an abort that arrives after its
         # group ended is never claimed by an add).

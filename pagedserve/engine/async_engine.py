@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.engine import registry
+from pagedserve.engine.engine_thread import EngineThread
 from pagedserve.engine.input_processor import EngineInput
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from pagedserve.lora.request import AdapterNotRegisteredError, LoRARequest
@@ -164,7 +165,8 @@ class AsyncLLMEngine:
     """
 
     def __init__(
-        self, engine: LLMEngine, observer: EngineObserver | None = None, stall_timeout_s: float = 60.0
+        self, engine: LLMEngine, observer: EngineObserver | None = None, stall_timeout_s: float = 60.0,
+        thread: EngineThread | None = None,
     ) -> None:
         self.engine = engine
         # From now on only our thread steps it; checks from elsewhere must go through us.
@@ -184,19 +186,37 @@ class AsyncLLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The thread that steps the engine: the one that built it when given (engine_thread.py).
+        self._runner = thread
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stopping = False
         self._busy = False
         self._last_progress = time.monotonic()
 
+    @classmethod
+    def build(
+        cls, factory: Callable[[], LLMEngine], observer: EngineObserver | None = None, stall_timeout_s: float = 60.0,
+    ) -> AsyncLLMEngine:
+        """The engine `factory()` makes, made on the thread that will step it (see
+        engine/engine_thread.py: a second OpenMP pool slows every op)."""
+        thread = EngineThread()
+        try:
+            engine = thread.submit(factory).result()
+        except BaseException:
+            thread.close()
+            raise
+        return cls(engine, observer, stall_timeout_s, thread=thread)
+
     # ---- lifecycle (event loop thread) ---------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Starts the engine thread; outputs are delivered on `loop` (default: the running one)."""
         self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
-        self._thread.start()
+        runner = self._runner or EngineThread()
+        self._thread = runner.thread
+        runner.submit(self._run)
+        runner.close()
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Aborts every in-flight request (callers see EngineDeadError) and stops the thread."""

@@ -51,6 +51,18 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
     if getattr(args, "enable_auto_tool_choice", False) and getattr(args, "tool_call_parser", None) is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
     metrics = ServerMetrics(names[0])
+    loras = LoRARegistry(
+        lora_dirs=[Path(d) for d in getattr(args, "lora_dir", [])],
+        runtime_updates=getattr(args, "enable_lora_runtime_updates", False),
+    )
+    lora_modules = getattr(args, "lora_modules", None) or []
+
+    def register_adapters(target: Any) -> None:
+        try:
+            loras.register_modules(target, lora_modules)
+        except ValueError as exc:
+            raise SystemExit(f"pagedserve: {exc}") from None
+
     # The LoRA registry takes either engine; the handlers take either serving engine (the
     # replica set offers AsyncLLMEngine's methods).
     engine: Any
@@ -65,20 +77,17 @@ def build_context(args: argparse.Namespace, engine_args: EngineArgs, default_nam
         config = engine_args.replace(data_parallel_size=1, distributed_executor_backend=None).create_engine_config()
         engine = serving_engine = build_replica_set(args, engine_args, metrics)
         sampling_defaults = dict(resolve_model_source(config.model, torch_device(config.device)).sampling_defaults)
+        register_adapters(engine)
     else:
-        local = LLMEngine(engine_args.create_engine_config())
-        engine = local
-        serving_engine = AsyncLLMEngine(local, metrics, stall_timeout_s=args.stall_timeout)
-        sampling_defaults = dict(local.source.sampling_defaults)
-    loras = LoRARegistry(
-        lora_dirs=[Path(d) for d in getattr(args, "lora_dir", [])],
-        runtime_updates=getattr(args, "enable_lora_runtime_updates", False),
-    )
-    if getattr(args, "lora_modules", None):
-        try:
-            loras.register_modules(engine, args.lora_modules)
-        except ValueError as exc:
-            raise SystemExit(f"pagedserve: {exc}") from None
+        def build_engine() -> LLMEngine:
+            # On the engine thread, the adapters' loads too: the main thread runs no torch op.
+            built = LLMEngine(engine_args.create_engine_config())
+            register_adapters(built)
+            return built
+
+        serving_engine = AsyncLLMEngine.build(build_engine, metrics, stall_timeout_s=args.stall_timeout)
+        engine = serving_engine.engine
+        sampling_defaults = dict(engine.source.sampling_defaults)
     return ServerContext(
         engine=serving_engine,
         model_names=names,
