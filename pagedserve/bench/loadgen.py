@@ -159,9 +159,9 @@ async def send_request(
     return result
 
 
-# A request that receives nothing for this long fails (ReadTimeout) instead of holding the run:
-# llama-server once stopped answering mid-study with a stream open. Longer than any prefill
-# here (an 8k-token prompt on the 1.5B model: ~130 s before its first token).
+# A request that receives nothing for this long fails (ReadTimeout) instead of holding the run
+# (a server blocked on its full stderr pipe once held a study with its streams open: peer.py).
+# Longer than any prefill here (an 8k-token prompt on the 1.5B model: ~130 s to its first token).
 READ_TIMEOUT_S = 900.0
 
 

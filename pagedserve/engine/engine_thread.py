@@ -7,7 +7,9 @@ and every parallel region of every step then cost ~50 us more (two context switc
 `x.add(1)` on 64k floats: 7 us from the thread that ran the first region, 57-66 us from another
 one, 2-core EPYC). Gemma-3-270M decoded a token in 22-29 ms over HTTP against 14.5 ms offline.
 A process whose regions all start from one thread keeps one pool: built and stepped here, the
-server decodes as fast as the offline `LLM`.
+server decodes as fast as the offline `LLM`. Any other long-lived thread that runs a parallel
+torch op brings a second pool back: the LoRA manager's loader thread does (one region from it,
+and the engine thread's `x.add(1)` went from 8.5 to 73 us); not fixed yet.
 """
 
 from __future__ import annotations
