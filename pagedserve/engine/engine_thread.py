@@ -8,8 +8,9 @@ and every parallel region of every step then cost ~50 us more (two context switc
 one, 2-core EPYC). Gemma-3-270M decoded a token in 22-29 ms over HTTP against 14.5 ms offline.
 A process whose regions all start from one thread keeps one pool: built and stepped here, the
 server decodes as fast as the offline `LLM`. Any other long-lived thread that runs a parallel
-torch op brings a second pool back: the LoRA manager's loader thread does (one region from it,
-and the engine thread's `x.add(1)` went from 8.5 to 73 us); not fixed yet.
+torch op brings a second pool back (one region from the LoRA manager's loader thread, and the
+engine thread's `x.add(1)` went from 8.5 to 73 us): so adapter loads read files on other threads
+and convert the tensors here (lora/peft_loader.py `read_peft_adapter` / `to_adapter`).
 """
 
 from __future__ import annotations

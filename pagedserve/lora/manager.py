@@ -24,7 +24,14 @@ from pagedserve.config import LoRAConfig
 from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.protocols import Residency
 from pagedserve.lora.layout import AdapterLayout, plan_layout
-from pagedserve.lora.peft_loader import LoRAAdapter, LoRALoadError, load_peft_adapter
+from pagedserve.lora.peft_loader import (
+    AdapterFile,
+    LoRAAdapter,
+    LoRALoadError,
+    load_peft_adapter,
+    read_peft_adapter,
+    to_adapter,
+)
 from pagedserve.lora.request import LoRARequest
 from pagedserve.lora.segments import ResidentAdapter
 
@@ -64,7 +71,7 @@ class LoRAManager:
         self.registered: dict[int, LoRARequest] = {}
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._host_capacity = config.max_cpu_loras or max(config.max_loras, 16)
-        self._loading: dict[int, Future[LoRAAdapter]] = {}
+        self._loading: dict[int, Future[AdapterFile]] = {}
         self._errors: dict[int, LoRALoadError] = {}
         self._device: OrderedDict[int, ResidentAdapter] = OrderedDict()  # LRU: oldest first
         self._users: dict[int, int] = {}
@@ -102,6 +109,12 @@ class LoRAManager:
     def _load(self, request: LoRARequest) -> LoRAAdapter:
         self.num_disk_loads += 1
         return load_peft_adapter(request, self.module_dims, self.num_layers, self.config.max_lora_rank)
+
+    def _read(self, request: LoRARequest) -> AdapterFile:
+        """The loader thread's part of a load: files only, no torch arithmetic (a parallel op
+        there would give the process a second OpenMP pool; engine/engine_thread.py)."""
+        self.num_disk_loads += 1
+        return read_peft_adapter(request, self.module_dims, self.num_layers, self.config.max_lora_rank)
 
     def _to_host(self, lora_id: int, adapter: LoRAAdapter) -> None:
         self._host[lora_id] = adapter
@@ -149,13 +162,13 @@ class LoRAManager:
             if lora_id not in self.registered:
                 self._errors[lora_id] = LoRALoadError(f"LoRA adapter id {lora_id} is not registered")
                 return False
-            self._loading[lora_id] = self._loader.submit(self._load, self.registered[lora_id])
+            self._loading[lora_id] = self._loader.submit(self._read, self.registered[lora_id])
             return False
         if not future.done():
             return False
         del self._loading[lora_id]
         try:
-            self._to_host(lora_id, future.result())
+            self._to_host(lora_id, to_adapter(future.result()))
         except LoRALoadError as exc:
             self._errors[lora_id] = exc
             return False

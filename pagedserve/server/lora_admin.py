@@ -18,7 +18,7 @@ from typing import Annotated
 from pydantic import Field, StringConstraints
 
 from pagedserve.engine.async_engine import EngineDeadError
-from pagedserve.lora.peft_loader import LoRALoadError, load_peft_adapter
+from pagedserve.lora.peft_loader import LoRALoadError, read_peft_adapter, to_adapter
 from pagedserve.lora.request import LoRARequest
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import StrictRequest
@@ -118,17 +118,17 @@ async def _load(ctx, request: LoRARequest, root: Path) -> None:
     registry: LoRARegistry = ctx.loras
     manager = ctx.engine.engine.lora_manager
     try:
-        # Read and validate off the event loop and off the engine thread.
-        adapter = await asyncio.to_thread(
-            load_peft_adapter, request, manager.module_dims, manager.num_layers, manager.config.max_lora_rank,
+        # Read and validate off the event loop and off the engine thread; the tensors are
+        # converted on the engine thread (no torch arithmetic elsewhere: engine/engine_thread.py).
+        read = await asyncio.to_thread(
+            read_peft_adapter, request, manager.module_dims, manager.num_layers, manager.config.max_lora_rank,
             confine_to=root,
+        )
+        await asyncio.to_thread(
+            ctx.engine.call_in_engine_thread, lambda e: e.lora_manager.register(request, adapter=to_adapter(read))
         )
     except LoRALoadError as exc:
         raise APIError(400, f"lora_path: {exc}", "lora_path") from None
-    try:
-        await asyncio.to_thread(
-            ctx.engine.call_in_engine_thread, lambda e: e.lora_manager.register(request, adapter=adapter)
-        )
     except ValueError as exc:
         raise APIError(400, str(exc), "lora_name") from None
     except EngineDeadError as exc:
