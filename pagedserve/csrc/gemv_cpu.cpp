@@ -426,7 +426,8 @@ struct TileOut {
   TileOut(float* f, c10::BFloat16* b16, int64_t n) : yf(f), yb(b16), bias(nullptr), N(n) {}
   // y[m, 16 t + j] = tot[m * 16 + j] (+ bias), rounded once to y's dtype, 8 lanes at a time
   // (a scalar bf16 conversion per element cost SmolLM2's 8-row bf16 LM head ~0.5 ms of 6.7).
-  inline void store(const float* tot, int64_t M, int64_t t) const {
+  // Rows m0 .. m0 + M - 1 of y (tot's row 0 is y's row m0).
+  inline void store(const float* tot, int64_t M, int64_t t, int64_t m0 = 0) const {
     const int64_t n0 = t * kTile;
     const __m256 b0 = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
     const __m256 b1 = bias ? _mm256_loadu_ps(bias + n0 + 8) : _mm256_setzero_ps();
@@ -436,12 +437,13 @@ struct TileOut {
         v0 = _mm256_add_ps(v0, b0);
         v1 = _mm256_add_ps(v1, b1);
       }
+      const int64_t at = (m0 + m) * N + n0;
       if (yb) {
-        store_bf16x8(yb + m * N + n0, v0);
-        store_bf16x8(yb + m * N + n0 + 8, v1);
+        store_bf16x8(yb + at, v0);
+        store_bf16x8(yb + at + 8, v1);
       } else {
-        _mm256_storeu_ps(yf + m * N + n0, v0);
-        _mm256_storeu_ps(yf + m * N + n0 + 8, v1);
+        _mm256_storeu_ps(yf + at, v0);
+        _mm256_storeu_ps(yf + at + 8, v1);
       }
     }
   }
@@ -1355,6 +1357,16 @@ PAGEDSERVE_NOINLINE void quad_tile_rows(const uint8_t* qt, const int8_t* xq, con
 #endif
 constexpr int kQuadRows = PAGEDSERVE_QUAD_ROWS;
 
+// A thread walks its tiles once per chunk of rows whose int8 activations take at most this many
+// bytes, so the rows it re-reads for every tile stay in its core's L2 (1 MiB on Zen 4): a
+// prefill step's 2048 rows of the MLP's down projection are 18 MiB of int8 x, and every tile
+// read all of them from L3 or DRAM. The tiles are read once per chunk instead (from L3: a
+// thread's run of them is a few MiB). `-DPAGEDSERVE_ROW_CHUNK_BYTES=0` walks all rows per tile
+// (benchmarks/bits_q8_width.py --variant compares).
+#ifndef PAGEDSERVE_ROW_CHUNK_BYTES
+#define PAGEDSERVE_ROW_CHUNK_BYTES (512 << 10)
+#endif
+
 template <int Bits, class Params>
 void bits_q8_impl(const at::Tensor& xf, const at::Tensor& q, int64_t groups, const Params& params, const float* bias,
                   at::Tensor& y) {
@@ -1378,47 +1390,51 @@ void bits_q8_impl(const at::Tensor& xf, const at::Tensor& q, int64_t groups, con
   const int64_t tile_bytes = nb * BitQuads<Bits>::kBlockBytes;
   const TileOut out(y, bias, N);
   const int64_t grain = std::max<int64_t>(1, (int64_t{32} << 10) / tile_bytes);
+  const int64_t chunk_rows = PAGEDSERVE_ROW_CHUNK_BYTES <= 0 ? M
+      : std::max<int64_t>(kQuadRows, PAGEDSERVE_ROW_CHUNK_BYTES / K / kQuadRows * kQuadRows);
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> tot(M * kTile);
-    for (int64_t t = t0; t < t1; ++t) {
-      std::fill(tot.begin(), tot.end(), 0.0f);
-      const uint8_t* qt = qd + t * tile_bytes;
-      const Params tile_params = params.local();
-      const int64_t blocks = (M + kQuadRows - 1) / kQuadRows;
-      for (int64_t m = 0, block = 0; m < M; m += kQuadRows, ++block) {
-        const NextTile next = NextTile::share(qt + tile_bytes, tile_bytes, nb, block, blocks);
-        const int8_t* xm = xq.data() + m * K;
-        const float* dm = dx.data() + m * nb;
-        const float* sm = xs.data() + m * groups;
-        float* o = tot.data() + m * kTile;
-        const bool first = block == 0;
-        auto run = [&](auto rows) {
-          quad_tile_rows<Bits, decltype(rows)::value>(qt, xm, dm, sm, K, group, tile_params, t, o, first, next);
-        };
-        switch (std::min<int64_t>(kQuadRows, M - m)) {
+    std::vector<float> tot(std::min(M, chunk_rows) * kTile);
+    for (int64_t m_lo = 0; m_lo < M; m_lo += chunk_rows) {
+      const int64_t m_hi = std::min(M, m_lo + chunk_rows);
+      for (int64_t t = t0; t < t1; ++t) {
+        const uint8_t* qt = qd + t * tile_bytes;
+        const Params tile_params = params.local();
+        const int64_t blocks = (m_hi - m_lo + kQuadRows - 1) / kQuadRows;
+        for (int64_t m = m_lo, block = 0; m < m_hi; m += kQuadRows, ++block) {
+          const NextTile next = NextTile::share(qt + tile_bytes, tile_bytes, nb, block, blocks);
+          const int8_t* xm = xq.data() + m * K;
+          const float* dm = dx.data() + m * nb;
+          const float* sm = xs.data() + m * groups;
+          float* o = tot.data() + (m - m_lo) * kTile;
+          const bool first = block == 0;
+          auto run = [&](auto rows) {
+            quad_tile_rows<Bits, decltype(rows)::value>(qt, xm, dm, sm, K, group, tile_params, t, o, first, next);
+          };
+          switch (std::min<int64_t>(kQuadRows, m_hi - m)) {
 #if PAGEDSERVE_QUAD_ROWS >= 12
-          case 12: run(std::integral_constant<int, 12>{}); break;
-          case 11: run(std::integral_constant<int, 11>{}); break;
-          case 10: run(std::integral_constant<int, 10>{}); break;
-          case 9: run(std::integral_constant<int, 9>{}); break;
+            case 12: run(std::integral_constant<int, 12>{}); break;
+            case 11: run(std::integral_constant<int, 11>{}); break;
+            case 10: run(std::integral_constant<int, 10>{}); break;
+            case 9: run(std::integral_constant<int, 9>{}); break;
 #endif
 #if PAGEDSERVE_QUAD_ROWS >= 8
-          case 8: run(std::integral_constant<int, 8>{}); break;
-          case 7: run(std::integral_constant<int, 7>{}); break;
+            case 8: run(std::integral_constant<int, 8>{}); break;
+            case 7: run(std::integral_constant<int, 7>{}); break;
 #endif
 #if PAGEDSERVE_QUAD_ROWS >= 5
-          case 6: run(std::integral_constant<int, 6>{}); break;
-          case 5: run(std::integral_constant<int, 5>{}); break;
+            case 6: run(std::integral_constant<int, 6>{}); break;
+            case 5: run(std::integral_constant<int, 5>{}); break;
 #endif
 #if PAGEDSERVE_QUAD_ROWS >= 3
-          case 4: run(std::integral_constant<int, 4>{}); break;
-          case 3: run(std::integral_constant<int, 3>{}); break;
+            case 4: run(std::integral_constant<int, 4>{}); break;
+            case 3: run(std::integral_constant<int, 3>{}); break;
 #endif
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          default: run(std::integral_constant<int, 1>{}); break;
+            case 2: run(std::integral_constant<int, 2>{}); break;
+            default: run(std::integral_constant<int, 1>{}); break;
+          }
         }
+        out.store(tot.data(), m_hi - m_lo, t, m_lo);
       }
-      out.store(tot.data(), M, t);
     }
   });
 }

@@ -159,6 +159,16 @@ def test_int8_activations_give_a_row_the_same_bits_in_any_batch():
 
 
 @needs_kernel
+def test_int8_activations_past_a_chunk_of_rows_equal_the_rows_in_small_batches():
+    """The kernel walks its tiles once per chunk of rows (512 KiB of int8 x: 1,020 rows of 512 k);
+    2,100 rows take three chunks, and each row's result is what a small batch gives it."""
+    layer, _ = _layer(("Q4_K", "Q6_K"), bias=True, activations="int8")
+    x = torch.randn(2100, IN, generator=torch.Generator().manual_seed(11))
+    pieces = torch.cat([layer.quant_method.apply(layer, part) for part in x.split(100)])
+    assert torch.equal(layer.quant_method.apply(layer, x), pieces)
+
+
+@needs_kernel
 @pytest.mark.parametrize("bits", [4, 5, 6])
 def test_bit_quads_hold_every_value_where_the_kernel_reads_it(bits: int):
     """`pack_bit_quads`' layout as the C++ reads it (BitQuads), checked byte by byte, and its
