@@ -44,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 # The C++ loop's op codes (kLinearOps in decoder_loop_cpu.cpp).
 DECODE_OPS = {"gemv_dense": 0, "gemv_int8_grouped": 1, "gemv_int8_q8": 2, "gemv_int4_grouped": 3, "gemv_bits_q8": 7}
-GEMM_OPS = {"linear": 4, "mkldnn_linear": 5, "linear_widened": 6}
+# gemv_bits_q8 is both: the int8-activation K-quant kernel takes any row count in one call.
+GEMM_OPS = {"linear": 4, "mkldnn_linear": 5, "linear_widened": 6, "gemv_bits_q8": 7}
 NO_CALL = -1
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -183,8 +184,8 @@ def _flatten(model: nn.Module) -> tuple[list[torch.Tensor], list[int], int | Non
     chunks; and the most tokens a step may have (None: any, every linear has a GEMM call)."""
     weights: list[torch.Tensor] = []
     layout: list[int] = []
-    any_size = True
-    chunk_rows: list[int] = []
+    # The most rows of the layers with no GEMM call (past those, a step has no call to make).
+    limits: list[int] = []
     for layer in model.model.layers:
         weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
         for linear in _linears(layer):
@@ -192,13 +193,13 @@ def _flatten(model: nn.Module) -> tuple[list[torch.Tensor], list[int], int | Non
             layout += [DECODE_OPS[op], len(args)]
             weights += [t.detach() for t in args]
             gemm = linear.quant_method.gemm_op(linear)
+            chunk_rows = linear.quant_method.decode_max_rows(linear)
             if gemm is None:
                 layout += [NO_CALL, 0]
-                any_size = False
+                limits.append(chunk_rows)
             else:
                 layout += [GEMM_OPS[gemm[0]], len(gemm[1])]
                 weights += [t.detach() if t.layout == torch.strided else t for t in gemm[1]]
-            chunk_rows.append(linear.quant_method.decode_max_rows(linear))
-            layout.append(chunk_rows[-1])
-    return weights, layout, None if any_size else min(chunk_rows)
+            layout.append(chunk_rows)
+    return weights, layout, min(limits) if limits else None
 

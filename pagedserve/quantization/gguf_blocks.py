@@ -335,6 +335,20 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
         """The (out, in) weight: gguf.dequantize's numbers (in float32, then `dtype`)."""
         return torch.cat(list(_bits_blocks(layer, dtype)))
 
+    def decode_max_rows(self, layer: nn.Module) -> int:
+        # int8 activations: past gemv.MAX_ROWS the same kernel on all rows at once (`gemm_op`),
+        # not in 32-row calls: each call streams the weight again, and 32 rows make worse
+        # register blocks (12 + 12 + 8) than the whole step (a batch-48 decode: 12 x 4).
+        if getattr(layer, "qweight_quads", None) is not None:
+            return gemv.MAX_ROWS
+        return super().decode_max_rows(layer)
+
+    def gemm_op(self, layer: nn.Module) -> LinearCall | None:
+        quads = getattr(layer, "qweight_quads", None)
+        if quads is None:
+            return None
+        return linear_call("gemv_bits_q8", quads, layer.scale_tiles, bias=getattr(layer, "bias", None))
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         params, bias = layer.scale_tiles, getattr(layer, "bias", None)
         quads = getattr(layer, "qweight_quads", None)
