@@ -15,8 +15,11 @@ SERVE_MODEL ?= qwen2.5-coder-1.5b-instruct
 # the network and each compile keeps one core busy (a fresh clone's `make serve` was healthy in
 # 276 s with the four kernels compiled one after the other inside the server, 85 s of it).
 # Both are cached, so a later `make serve` passes here in seconds.
+# A path or hub id (SERVE_MODEL with a `/` or ending .gguf) is not pulled; a failed pull is
+# reported again by `serve`, which pulls on first use.
 prepare-serve: setup
-	.venv/bin/pagedserve pull $(SERVE_MODEL) & .venv/bin/python -m pagedserve.cpp_build --jobs 2; wait $$!
+	case "$(SERVE_MODEL)" in */*|*.gguf) ;; *) .venv/bin/pagedserve pull $(SERVE_MODEL) & ;; esac; \
+	.venv/bin/python -m pagedserve.cpp_build --jobs 2; wait
 
 # Tool calling on: the model's own chat template (the GGUF's tokenizer.chat_template lists
 # `tools` and asks for <tool_call> output) read by the hermes parser.

@@ -28,7 +28,6 @@ from pagedserve.lora.peft_loader import (
     AdapterFile,
     LoRAAdapter,
     LoRALoadError,
-    load_peft_adapter,
     read_peft_adapter,
     to_adapter,
 )
@@ -107,8 +106,7 @@ class LoRAManager:
         self.registered.pop(lora_id, None)
 
     def _load(self, request: LoRARequest) -> LoRAAdapter:
-        self.num_disk_loads += 1
-        return load_peft_adapter(request, self.module_dims, self.num_layers, self.config.max_lora_rank)
+        return to_adapter(self._read(request))
 
     def _read(self, request: LoRARequest) -> AdapterFile:
         """The loader thread's part of a load: files only, no torch arithmetic (a parallel op

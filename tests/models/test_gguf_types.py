@@ -165,6 +165,27 @@ def test_int8_activations_equal_transformers_with_rounded_inputs(tmp_path, qtype
     assert _engine_greedy(path, PROMPTS) == _hf_greedy(path, PROMPTS, rounded=_every_layer)
 
 
+@pytest.mark.skipif(gemv.gemv_ops() is None, reason="int8 activations need the GEMV kernel")
+def test_bit_quad_files_run_every_step_in_the_decoder_loop(tmp_path, monkeypatch):
+    """gemv_bits_q8 takes any row count, so it is the loop's GEMM call too: the prefill (45 rows)
+    runs in the C++ loop with one kernel call a layer, and its tokens and logprobs are the
+    Python layers' exactly."""
+    path = _file(tmp_path, "Q4_K")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    runs = {}
+    for mode in ("cpp", "off"):
+        monkeypatch.setenv("PAGEDSERVE_DECODER_LOOP", mode)
+        llm = LLM(str(path), **ENGINE)
+        runs[mode] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                                         use_tqdm=False)]
+        loop = llm.llm_engine.runner.decoder_loop
+        if mode == "cpp":
+            assert loop is not None and loop.max_tokens is None
+            assert loop.calls == 12  # one prefill step, eleven decode steps
+    for ours, python in zip(runs["cpp"], runs["off"], strict=True):
+        assert ours.token_ids == python.token_ids and ours.logprobs == python.logprobs
+
+
 def test_qwen2_with_biases_and_an_untied_head(tmp_path):
     """The layout of Qwen2.5's Q4_K_M files: Q4_K and Q6_K matrices, Q5_0 / Q8_0 where a
     row of 896 is not whole super-blocks (here: v and down), F32 biases."""
