@@ -94,9 +94,14 @@ def step_weight_bytes(llm: LLM) -> int:
     for module in llm.llm_engine.runner.model.modules():
         if not isinstance(module, LinearBase | LMHead):
             continue
-        for name in _READ_TENSORS:
+        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            # a layer held in parts (GGUF shards of different types): qweight_quads_0, scale_tiles_0, ...
+            base = name.rstrip("0123456789").removesuffix("_") if name[-1].isdigit() else name
+            if base in _READ_TENSORS:
+                total += t.numel() * t.element_size()
+        for name in _READ_TENSORS:  # opaque tensors kept as plain attributes (packed.py)
             t = getattr(module, name, None)
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and name not in module._buffers and name not in module._parameters:
                 total += t.numel() * t.element_size()
     return total
 

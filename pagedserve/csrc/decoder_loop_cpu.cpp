@@ -51,8 +51,10 @@ constexpr const char* kLinearOps[] = {
     "mkldnn::_linear_pointwise",           // 5: (x, packed w, bias?), attr "none", as packed.py calls it
     "aten::linear",                        // 6: (x, w, bias?) all widened to float32, y back in x's dtype
     "pagedserve_gemv::gemv_bits_q8",       // 7: (x, q, params, bias?)
+    "pagedserve_gemv::gemv_bits_q8_parts",  // 8: (x, q_1 .. q_n, params_1 .. params_n, bias?)
 };
-constexpr int kNumLinearOps = 8;
+constexpr int kNumLinearOps = 9;
+constexpr int64_t kMaxCallTensors = 9;  // op 8: up to 4 parts and a bias
 constexpr int kLinearsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
 constexpr int kLayoutPerLinear = 5;  // small op, count, large op, count, chunk rows
 
@@ -72,6 +74,8 @@ struct Ops {
   std::array<c10::TypedOperatorHandle<Scaled>, 3> scaled = {
       find_op<Scaled>(kLinearOps[1]), find_op<Scaled>(kLinearOps[2]), find_op<Scaled>(kLinearOps[3])};
   c10::TypedOperatorHandle<Scaled> bits_q8 = find_op<Scaled>(kLinearOps[7]);
+  using Parts = Tensor(const Tensor&, at::TensorList, at::TensorList, const OptTensor&);
+  c10::TypedOperatorHandle<Parts> bits_q8_parts = find_op<Parts>(kLinearOps[8]);
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm =
       find_op<Tensor(const Tensor&, const Tensor&, double)>("pagedserve_fused::rms_norm");
   c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>
@@ -115,6 +119,11 @@ Tensor run_chunked(const Ops& o, const Linear& l, const Tensor& x) {
 
 Tensor run_linear(const Ops& o, const Linear& l, const Tensor& x) {
   if (l.chunk > 0 && x.size(0) > l.chunk) return run_chunked(o, l, x);
+  if (l.op == 8) {  // parts: an even count of q's and params, then the bias if any
+    const int64_t n = l.count / 2;
+    const OptTensor bias = l.count % 2 ? OptTensor(l.args[l.count - 1]) : std::nullopt;
+    return o.bits_q8_parts.call(x, at::TensorList(l.args, n), at::TensorList(l.args + n, n), bias);
+  }
   const bool two_operands = l.op == 0 || (l.op >= 4 && l.op <= 6);  // (x, w) vs (x, q, scale)
   const bool has_bias = l.count == (two_operands ? 2 : 3);
   const OptTensor bias = has_bias ? OptTensor(l.args[l.count - 1]) : std::nullopt;
@@ -166,8 +175,8 @@ std::tuple<Tensor, Tensor> decoder_layers(
       const int64_t pick = tokens <= max_small_rows || chunked ? 0 : 2;
       for (int call = 0; call < 4; call += 2) {
         const int64_t op = entry[call], count = entry[call + 1];
-        TORCH_CHECK(op < kNumLinearOps && count >= 0 && count <= 3 && w + count <= weights.size() &&
-                        (op >= 0 ? count >= 1 : count == 0),
+        TORCH_CHECK(op < kNumLinearOps && count >= 0 && count <= (op == 8 ? kMaxCallTensors : 3) &&
+                        w + count <= weights.size() && (op == 8 ? count >= 2 : op >= 0 ? count >= 1 : count == 0),
                     "decoder_layers: bad layout entry for layer ", layer, " linear ", i);
         if (call == pick) {
           TORCH_CHECK(op >= 0, "decoder_layers: layer ", layer, " linear ", i, " has no call for ", tokens, " rows");

@@ -62,6 +62,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -80,6 +81,22 @@ constexpr int kTile = 16;          // output channels per tile
 #define PAGEDSERVE_GEMV_MAX_ROWS 32
 #endif
 constexpr int64_t kMaxRows = PAGEDSERVE_GEMV_MAX_ROWS;
+
+// The three forms of super-block parameters (KParams, KPackedParams), told apart by their bytes
+// per tile and super-block B: affine 80 + 32 G, centered 32 + 16 G, packed 256 (G = 8).
+enum class SuperForm { kInvalid, kCentered, kAffine, kPacked };
+struct SuperLayout {
+  SuperForm form;
+  int64_t groups;  // G, groups per super-block
+};
+inline SuperLayout super_layout(int64_t B) {
+  SuperLayout l{SuperForm::kInvalid, 0};
+  if (B == 256) l = {SuperForm::kPacked, 8};
+  else if (B >= 112 && (B - 80) % 32 == 0) l = {SuperForm::kAffine, (B - 80) / 32};
+  else if (B >= 48 && (B - 32) % 16 == 0) l = {SuperForm::kCentered, (B - 32) / 16};
+  if (l.groups <= 0 || l.groups > 16 || 256 % l.groups != 0) l = {SuperForm::kInvalid, 0};
+  return l;
+}
 
 #if defined(PAGEDSERVE_AVX2)
 
@@ -837,6 +854,53 @@ struct KParams {
   }
 };
 
+// Q4_K / Q5_K alone ("packed"): the file's own 16 bytes per channel and super-block, where the
+// affine form above spends 21 (its center byte, and sc / m a byte each): a decode step of a
+// Q4_K_M file read 3.5% more than the file's Q4_K bytes. Per tile and super-block, B = 256:
+//   d float16[16], dmin float16[16], then the 8 groups' sc and m, each as 6-bit planes:
+//   96 bytes = low nibbles (16 bytes per group pair: group 2i low, 2i + 1 high nibble), then the
+//   high 2 bits (16 bytes per 4 groups, group g at bits 2 (g % 4)); sc's planes, then m's.
+// The same s = d * sc and l0 = -(dmin * m) as KParams<true> with center 0, bit for bit.
+constexpr int64_t kPackedSuperBytes = 256;
+struct KPackedParams {
+  const uint8_t* p;
+  int64_t sbs;  // super-blocks per tile (K / 256)
+  static constexpr int64_t kGroups = 8, kPlane = 96;
+  mutable const uint8_t* cached = nullptr;
+  mutable __m256 d0, d1, nmin0, nmin1;
+  KPackedParams local() const { return KPackedParams{p, sbs}; }
+  // Group g's 16 six-bit values of the plane at `plane`.
+  static PAGEDSERVE_FORCE_INLINE __m128i six(const uint8_t* plane, int64_t g) {
+    __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(plane + (g >> 1) * 16));
+    __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(plane + 64 + (g >> 2) * 16));
+    // 16-bit shifts: the mask drops what crosses from the neighbouring byte
+    lo = _mm_and_si128(_mm_srl_epi16(lo, _mm_cvtsi64_si128(4 * (g & 1))), _mm_set1_epi8(15));
+    hi = _mm_and_si128(_mm_srl_epi16(hi, _mm_cvtsi64_si128(2 * (g & 3))), _mm_set1_epi8(3));
+    return _mm_or_si128(lo, _mm_slli_epi16(hi, 4));
+  }
+  static PAGEDSERVE_FORCE_INLINE __m256 lo8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+  static PAGEDSERVE_FORCE_INLINE __m256 hi8(__m128i v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+  }
+  PAGEDSERVE_FORCE_INLINE void operator()(int64_t t, int64_t g, __m256& s0, __m256& s1, __m256& l0, __m256& l1) const {
+    const uint8_t* sb = p + (t * sbs + g / kGroups) * kPackedSuperBytes;
+    const int64_t gi = g % kGroups;
+    if (sb != cached) {
+      cached = sb;
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      d0 = load_half8(reinterpret_cast<const c10::Half*>(sb));
+      d1 = load_half8(reinterpret_cast<const c10::Half*>(sb + 16));
+      nmin0 = _mm256_xor_ps(load_half8(reinterpret_cast<const c10::Half*>(sb + 32)), sign);
+      nmin1 = _mm256_xor_ps(load_half8(reinterpret_cast<const c10::Half*>(sb + 48)), sign);
+    }
+    const __m128i sc = six(sb + 64, gi), m = six(sb + 64 + kPlane, gi);
+    s0 = _mm256_mul_ps(d0, lo8(sc));
+    s1 = _mm256_mul_ps(d1, hi8(sc));
+    l0 = _mm256_mul_ps(nmin0, lo8(m));
+    l1 = _mm256_mul_ps(nmin1, hi8(m));
+  }
+};
+
 // Load: ChanI4 or ChanBits<5 / 6>; Params: a form above, `groups` groups of K / groups k.
 template <class Load, class Params>
 void int4_grouped_impl(const at::Tensor& xf, const at::Tensor& q, int64_t groups, const Params& params,
@@ -1028,12 +1092,13 @@ template <class Body>
 void with_bits_params(const at::Tensor& sz, int64_t K, int bits, Body body) {
   const float center = static_cast<float>(1 << (bits - 1));
   const auto kind = sz.scalar_type();
-  if (kind == at::kByte) {  // super-block parameters (KParams)
+  if (kind == at::kByte) {  // super-block parameters (KParams, KPackedParams)
     const int64_t B = sz.size(2), sbs = sz.size(1);
-    const bool affine = (B - 80) % 32 == 0 && B >= 112;
-    const int64_t G = affine ? (B - 80) / 32 : (B - 32) / 16;
+    const SuperLayout layout = super_layout(B);
+    const int64_t G = layout.groups;
     const uint8_t* p = sz.data_ptr<uint8_t>();
-    if (affine) body(KParams<true>{p, G, B, sbs, center}, (K / 256) * G);
+    if (layout.form == SuperForm::kPacked) body(KPackedParams{p, sbs}, (K / 256) * G);
+    else if (layout.form == SuperForm::kAffine) body(KParams<true>{p, G, B, sbs, center}, (K / 256) * G);
     else body(KParams<false>{p, G, B, sbs, center}, (K / 256) * G);
     return;
   }
@@ -1367,85 +1432,166 @@ constexpr int kQuadRows = PAGEDSERVE_QUAD_ROWS;
 #define PAGEDSERVE_ROW_CHUNK_BYTES (512 << 10)
 #endif
 
-template <int Bits, class Params>
-void bits_q8_impl(const at::Tensor& xf, const at::Tensor& q, int64_t groups, const Params& params, const float* bias,
-                  at::Tensor& y) {
-  const int64_t M = xf.size(0), K = xf.size(1), tiles = q.size(0), N = tiles * kTile, group = K / groups;
-  const int64_t nb = K / 32;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * nb), xs(M * groups);
+// x rounded to int8 per row and block of 32 (quantize_rows_q8), shared by every part of a call,
+// and d * (a group's sum of xq) per row for groups of 16 and of 32 k: what a group's level 0
+// multiplies (exact integer sums; the 32-k sums add two 16-k ones, still exact).
+struct Q8Rows {
+  int64_t M, K, nb;
+  std::vector<int8_t> xq;
+  std::vector<float> dx, xs16, xs32;
+  const float* xs(int64_t group) const { return group == 16 ? xs16.data() : xs32.data(); }
+};
+
+Q8Rows q8_rows(const at::Tensor& xf, bool need16, bool need32) {
+  const int64_t M = xf.size(0), K = xf.size(1), nb = K / 32;
+  Q8Rows a{M, K, nb, std::vector<int8_t>(M * K), std::vector<float>(M * nb),
+           std::vector<float>(need16 ? M * (K / 16) : 0), std::vector<float>(need32 ? M * nb : 0)};
   // Rows split over the threads: a prefill's x on one thread idled the other ~2% of the op.
   const int64_t row_grain = std::max<int64_t>(1, (int64_t{1} << 16) / K);
   at::parallel_for(0, M, row_grain, [&](int64_t m0, int64_t m1) {
-    quantize_rows_q8(xf.data_ptr<float>() + m0 * K, m1 - m0, K, xq.data() + m0 * K, dx.data() + m0 * nb);
-    // d * (the group's sum of xq): what the group's level 0 multiplies (exact integer sums)
+    quantize_rows_q8(xf.data_ptr<float>() + m0 * K, m1 - m0, K, a.xq.data() + m0 * K, a.dx.data() + m0 * nb);
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
-        int32_t s = 0;
-        for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xq[m * K + k];
-        xs[m * groups + g] = static_cast<float>(s) * dx[m * nb + (g * group) / 32];
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* xb = a.xq.data() + m * K + b * 32;
+        int32_t h0 = 0, h1 = 0;
+        for (int k = 0; k < 16; ++k) h0 += xb[k], h1 += xb[16 + k];
+        const float d = a.dx[m * nb + b];
+        if (need16) {
+          a.xs16[m * 2 * nb + 2 * b] = static_cast<float>(h0) * d;
+          a.xs16[m * 2 * nb + 2 * b + 1] = static_cast<float>(h1) * d;
+        }
+        if (need32) a.xs32[m * nb + b] = static_cast<float>(h0 + h1) * d;
       }
   });
-  const uint8_t* qd = q.data_ptr<uint8_t>();
-  const int64_t tile_bytes = nb * BitQuads<Bits>::kBlockBytes;
-  const TileOut out(y, bias, N);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{32} << 10) / tile_bytes);
+  return a;
+}
+
+// Rows m_lo .. m_hi - 1 times tile t of one part (its quads at qt, `Bits` wide, `params` its
+// parameter form, groups of `group` k): tot[(m - m_lo) * 16 + j]. `next` / `next_bytes`: the
+// tile a thread reads after this one, which the row blocks prefetch a share of.
+template <int Bits, class Params>
+void quad_tile_all_rows(const Q8Rows& a, const uint8_t* qt, int64_t t, const Params& params, int64_t group,
+                        int64_t m_lo, int64_t m_hi, float* tot, const uint8_t* next, int64_t next_bytes) {
+  const int64_t K = a.K, nb = a.nb, groups = K / group;
+  const Params tile_params = params.local();
+  const float* xs = a.xs(group);
+  const int64_t blocks = (m_hi - m_lo + kQuadRows - 1) / kQuadRows;
+  for (int64_t m = m_lo, block = 0; m < m_hi; m += kQuadRows, ++block) {
+    const NextTile nt = NextTile::share(next, next_bytes, nb, block, blocks);
+    const int8_t* xm = a.xq.data() + m * K;
+    const float* dm = a.dx.data() + m * nb;
+    const float* sm = xs + m * groups;
+    float* o = tot + (m - m_lo) * kTile;
+    const bool first = block == 0;
+    auto run = [&](auto rows) {
+      quad_tile_rows<Bits, decltype(rows)::value>(qt, xm, dm, sm, K, group, tile_params, t, o, first, nt);
+    };
+    switch (std::min<int64_t>(kQuadRows, m_hi - m)) {
+#if PAGEDSERVE_QUAD_ROWS >= 12
+      case 12: run(std::integral_constant<int, 12>{}); break;
+      case 11: run(std::integral_constant<int, 11>{}); break;
+      case 10: run(std::integral_constant<int, 10>{}); break;
+      case 9: run(std::integral_constant<int, 9>{}); break;
+#endif
+#if PAGEDSERVE_QUAD_ROWS >= 8
+      case 8: run(std::integral_constant<int, 8>{}); break;
+      case 7: run(std::integral_constant<int, 7>{}); break;
+#endif
+#if PAGEDSERVE_QUAD_ROWS >= 5
+      case 6: run(std::integral_constant<int, 6>{}); break;
+      case 5: run(std::integral_constant<int, 5>{}); break;
+#endif
+#if PAGEDSERVE_QUAD_ROWS >= 3
+      case 4: run(std::integral_constant<int, 4>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+#endif
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      default: run(std::integral_constant<int, 1>{}); break;
+    }
+  }
+}
+
+// One part of a layer's output channels (a fused layer's shards of one GGUF type): its quads,
+// and its tiles' rows computed by a typed quad_tile_all_rows (bits and parameter form).
+struct QuadPart {
+  const uint8_t* q;
+  int64_t tiles, tile_bytes, group;
+  std::function<void(const Q8Rows&, const uint8_t* qt, int64_t t, int64_t m_lo, int64_t m_hi, float* tot,
+                     const uint8_t* next, int64_t next_bytes)>
+      rows;
+};
+
+QuadPart quad_part(const at::Tensor& q, const at::Tensor& sz, int64_t K) {
+  const int bits = static_cast<int>(4 + (q.size(2) - 256) / 64);
+  QuadPart part{q.data_ptr<uint8_t>(), q.size(0), 0, 0, {}};
+  with_bits_params(sz, K, bits, [&](const auto& params, int64_t groups) {
+    using P = std::decay_t<decltype(params)>;
+    part.group = K / groups;
+    auto bind = [&](auto width) {
+      constexpr int Bits = decltype(width)::value;
+      part.tile_bytes = (K / 32) * BitQuads<Bits>::kBlockBytes;
+      part.rows = [params, group = part.group](const Q8Rows& a, const uint8_t* qt, int64_t t, int64_t m_lo,
+                                               int64_t m_hi, float* tot, const uint8_t* next, int64_t next_bytes) {
+        quad_tile_all_rows<Bits, P>(a, qt, t, params, group, m_lo, m_hi, tot, next, next_bytes);
+      };
+    };
+    if (bits == 4) bind(std::integral_constant<int, 4>{});
+    else if (bits == 5) bind(std::integral_constant<int, 5>{});
+    else bind(std::integral_constant<int, 6>{});
+  });
+  return part;
+}
+
+// y (M, N) = the parts' channels side by side, each part's tiles after the previous part's.
+// Threads take runs of tiles of about equal bytes (a fused qkv's 6-bit v tiles are 1.5x its
+// 4-bit q tiles), each walked once per chunk of rows.
+void bits_q8_parts_run(const at::Tensor& xf, const std::vector<QuadPart>& parts, const float* bias, at::Tensor& y) {
+  bool need16 = false, need32 = false;
+  int64_t total_tiles = 0, total_bytes = 0;
+  for (const QuadPart& p : parts) {
+    need16 |= p.group == 16, need32 |= p.group == 32;
+    total_tiles += p.tiles, total_bytes += p.tiles * p.tile_bytes;
+  }
+  const Q8Rows a = q8_rows(xf, need16, need32);
+  const int64_t M = a.M, K = a.K;
+  // Global tile -> (part, tile in part), and the byte offset each tile starts at.
+  std::vector<int32_t> part_of(total_tiles);
+  std::vector<int64_t> start(total_tiles + 1);
+  for (int64_t i = 0, t = 0, off = 0; i < static_cast<int64_t>(parts.size()); ++i)
+    for (int64_t j = 0; j < parts[i].tiles; ++j, ++t) {
+      part_of[t] = static_cast<int32_t>(i);
+      start[t] = off;
+      off += parts[i].tile_bytes;
+    }
+  start[total_tiles] = total_bytes;
+  std::vector<int64_t> first_tile(parts.size());
+  for (size_t i = 1; i < parts.size(); ++i) first_tile[i] = first_tile[i - 1] + parts[i - 1].tiles;
+  const TileOut out(y, bias, total_tiles * kTile);
   const int64_t chunk_rows = PAGEDSERVE_ROW_CHUNK_BYTES <= 0 ? M
       : std::max<int64_t>(kQuadRows, PAGEDSERVE_ROW_CHUNK_BYTES / K / kQuadRows * kQuadRows);
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+  // At least 32 KiB of weights a thread (the single-part op's old tile grain).
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total_bytes >> 15));
+  at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
+    // This thread's tiles: those starting in its share of the bytes.
+    const int64_t b0 = total_bytes * i0 / threads, b1 = total_bytes * i1 / threads;
+    const int64_t t0 = std::lower_bound(start.begin(), start.end() - 1, b0) - start.begin();
+    const int64_t t1 = std::lower_bound(start.begin(), start.end() - 1, b1) - start.begin();
+    if (t0 >= t1) return;
     std::vector<float> tot(std::min(M, chunk_rows) * kTile);
     for (int64_t m_lo = 0; m_lo < M; m_lo += chunk_rows) {
       const int64_t m_hi = std::min(M, m_lo + chunk_rows);
       for (int64_t t = t0; t < t1; ++t) {
-        const uint8_t* qt = qd + t * tile_bytes;
-        const Params tile_params = params.local();
-        const int64_t blocks = (m_hi - m_lo + kQuadRows - 1) / kQuadRows;
-        for (int64_t m = m_lo, block = 0; m < m_hi; m += kQuadRows, ++block) {
-          const NextTile next = NextTile::share(qt + tile_bytes, tile_bytes, nb, block, blocks);
-          const int8_t* xm = xq.data() + m * K;
-          const float* dm = dx.data() + m * nb;
-          const float* sm = xs.data() + m * groups;
-          float* o = tot.data() + (m - m_lo) * kTile;
-          const bool first = block == 0;
-          auto run = [&](auto rows) {
-            quad_tile_rows<Bits, decltype(rows)::value>(qt, xm, dm, sm, K, group, tile_params, t, o, first, next);
-          };
-          switch (std::min<int64_t>(kQuadRows, m_hi - m)) {
-#if PAGEDSERVE_QUAD_ROWS >= 12
-            case 12: run(std::integral_constant<int, 12>{}); break;
-            case 11: run(std::integral_constant<int, 11>{}); break;
-            case 10: run(std::integral_constant<int, 10>{}); break;
-            case 9: run(std::integral_constant<int, 9>{}); break;
-#endif
-#if PAGEDSERVE_QUAD_ROWS >= 8
-            case 8: run(std::integral_constant<int, 8>{}); break;
-            case 7: run(std::integral_constant<int, 7>{}); break;
-#endif
-#if PAGEDSERVE_QUAD_ROWS >= 5
-            case 6: run(std::integral_constant<int, 6>{}); break;
-            case 5: run(std::integral_constant<int, 5>{}); break;
-#endif
-#if PAGEDSERVE_QUAD_ROWS >= 3
-            case 4: run(std::integral_constant<int, 4>{}); break;
-            case 3: run(std::integral_constant<int, 3>{}); break;
-#endif
-            case 2: run(std::integral_constant<int, 2>{}); break;
-            default: run(std::integral_constant<int, 1>{}); break;
-          }
-        }
+        const QuadPart& p = parts[part_of[t]];
+        const int64_t local = t - first_tile[part_of[t]];
+        const uint8_t* qt = p.q + local * p.tile_bytes;
+        // the next tile in this part, or the next part's first (past the end: a harmless prefetch)
+        const bool last = local + 1 == p.tiles && t + 1 < total_tiles;
+        const uint8_t* next = last ? parts[part_of[t + 1]].q : qt + p.tile_bytes;
+        const int64_t next_bytes = last ? parts[part_of[t + 1]].tile_bytes : p.tile_bytes;
+        p.rows(a, qt, local, m_lo, m_hi, tot.data(), next, next_bytes);
         out.store(tot.data(), m_hi - m_lo, t, m_lo);
       }
     }
-  });
-}
-
-void bits_q8_run(const at::Tensor& xf, const at::Tensor& q, const at::Tensor& sz, int bits, const float* bias,
-                 at::Tensor& y) {
-  const int64_t K = xf.size(1);
-  with_bits_params(sz, K, bits, [&](const auto& params, int64_t groups) {
-    if (bits == 4) bits_q8_impl<4>(xf, q, groups, params, bias, y);
-    else if (bits == 5) bits_q8_impl<5>(xf, q, groups, params, bias, y);
-    else bits_q8_impl<6>(xf, q, groups, params, bias, y);
   });
 }
 
@@ -1455,7 +1601,9 @@ template <class Param, bool Affine>
 void int8_grouped_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&) {}
 void int4_grouped_run(const at::Tensor&, const at::Tensor&, const at::Tensor&, int, const float*, at::Tensor&) {}
 void int8_q8_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const float*, at::Tensor&) {}
-void bits_q8_run(const at::Tensor&, const at::Tensor&, const at::Tensor&, int, const float*, at::Tensor&) {}
+struct QuadPart {};
+QuadPart quad_part(const at::Tensor&, const at::Tensor&, int64_t) { return {}; }
+void bits_q8_parts_run(const at::Tensor&, const std::vector<QuadPart>&, const float*, at::Tensor&) {}
 
 #endif  // PAGEDSERVE_AVX2
 
@@ -1742,16 +1890,16 @@ at::Tensor run_grouped(const at::Tensor& x_in, const at::Tensor& x, int64_t tile
   return y;
 }
 
-// Super-block parameters (KParams): uint8 (N/16, K/256, B), B = 80 + 32 G (affine) or 32 + 16 G
-// (centered), G groups of 256 / G >= 16 k a super-block.
-void check_bits_superblocks(int64_t K, int64_t tiles, const at::Tensor& sz, const char* op) {
-  const int64_t B = sz.dim() == 3 ? sz.size(2) : 0;
-  const bool affine = B >= 112 && (B - 80) % 32 == 0, centered = B >= 48 && (B - 32) % 16 == 0 && !affine;
-  const int64_t G = affine ? (B - 80) / 32 : centered ? (B - 32) / 16 : 0;
+// Super-block parameters (KParams, KPackedParams): uint8 (N/16, K/256, B), B = 80 + 32 G
+// (affine), 32 + 16 G (centered) or 256 (packed, G = 8), G groups of 256 / G >= 16 k a super-block.
+// Returns G.
+int64_t check_bits_superblocks(int64_t K, int64_t tiles, const at::Tensor& sz, const char* op) {
+  const SuperLayout layout = super_layout(sz.dim() == 3 ? sz.size(2) : 0);
   TORCH_CHECK(sz.is_contiguous() && sz.dim() == 3 && sz.size(0) == tiles && K % 256 == 0 && sz.size(1) == K / 256 &&
-                  G > 0 && G <= 16 && 256 % G == 0,
-              op, ": super-block parameters must be contiguous uint8 (N/16, K/256, 80 + 32 G or 32 + 16 G), G in 1..16 "
-              "dividing 256");
+                  layout.form != SuperForm::kInvalid,
+              op, ": super-block parameters must be contiguous uint8 (N/16, K/256, 80 + 32 G, 32 + 16 G or 256), "
+              "G in 1..16 dividing 256");
+  return layout.groups;
 }
 
 // The int8 layouts' scales: (N/16, K/group, 16) float16.
@@ -1820,29 +1968,24 @@ at::Tensor gemv_int4_grouped(const at::Tensor& x_in, const at::Tensor& q, const 
   });
 }
 
-// 4 / 5 / 6-bit bit quads x int8 activations (bits_q8_impl): q (N/16, K/32, 256 / 320 / 384)
+// 4 / 5 / 6-bit bit quads x int8 activations (quad_tile_rows): q (N/16, K/32, 256 / 320 / 384)
 // uint8, parameters as gemv_int4_grouped's 5- / 6-bit forms (groups of 16 or 32 k). Any number
 // of rows: a prefill's many rows reuse each unpacked weight vector kQuadRows times, so the
 // op serves prefill as well as decode steps.
-at::Tensor gemv_bits_q8(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& params,
-                        const c10::optional<at::Tensor>& bias) {
-  const char* op = "gemv_bits_q8";
-  TORCH_CHECK(x_in.dim() >= 1, op, ": x must have a last (K) dimension");
-  const at::Tensor x = x_in.reshape({-1, x_in.size(-1)}).contiguous();
-  const int64_t K = x.size(1), B = q.dim() == 3 ? q.size(2) : 0;
+void check_bit_quads(int64_t K, const at::Tensor& q, const at::Tensor& params, const char* op) {
+  const int64_t B = q.dim() == 3 ? q.size(2) : 0;
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && (B == 256 || B == 320 || B == 384) &&
                   K % 32 == 0 && q.size(1) * 32 == K,
               op, ": q must be contiguous uint8 bit quads (N/16, K/32, 256 / 320 / 384) with K = x.size(-1)");
   const int bits = static_cast<int>(4 + (B - 256) / 64);
   const auto kind = params.scalar_type();
-  check_x_scales_bias(x, q.size(0), params, bias, op, 16);
+  TORCH_CHECK(params.is_contiguous() && params.dim() >= 3 && params.size(0) == q.size(0), op,
+              ": parameters must be contiguous, one row per tile of q");
   if (kind == at::kByte) {
-    check_bits_superblocks(K, q.size(0), params, op);
-    const int64_t PB = params.size(2);
-    const bool affine = PB >= 112 && (PB - 80) % 32 == 0;
-    const int64_t G = affine ? (PB - 80) / 32 : (PB - 32) / 16;
+    const int64_t G = check_bits_superblocks(K, q.size(0), params, op);
     TORCH_CHECK(G == 8 || G == 16, op, ": super-block parameters need groups of 32 or 16 k");
   } else {
+    TORCH_CHECK(params.size(1) > 0 && K % params.size(1) == 0, op, ": parameter groups must divide K");
     const int64_t group = K / params.size(1);
     TORCH_CHECK(group == 16 || group == 32, op, ": groups of 16 or 32 k, got ", group);
     const bool centered = params.dim() == 3;
@@ -1851,15 +1994,46 @@ at::Tensor gemv_bits_q8(const at::Tensor& x_in, const at::Tensor& q, const at::T
                                params.dim() == 4 && params.size(2) == 2 && params.size(3) == kTile,
                 op, ": parameters as gemv_int4_grouped's (pairs, centered scales or super-block bytes)");
   }
-  at::Tensor y = at::empty(out_shape(x_in, q.size(0) * kTile), x.options());
+}
+
+// The parts side by side: y[..., part i's channels] = x W_i^T, x quantized once for all.
+at::Tensor bits_q8_parts(const at::Tensor& x_in, at::TensorList qs, at::TensorList params,
+                         const c10::optional<at::Tensor>& bias, const char* op) {
+  TORCH_CHECK(x_in.dim() >= 1, op, ": x must have a last (K) dimension");
+  TORCH_CHECK(!qs.empty() && qs.size() == params.size(), op, ": one parameter tensor per part of q, at least one");
+  const at::Tensor x = x_in.reshape({-1, x_in.size(-1)}).contiguous();
+  const int64_t K = x.size(1);
+  int64_t tiles = 0;
+  for (size_t i = 0; i < qs.size(); ++i) {
+    check_bit_quads(K, qs[i], params[i], op);
+    tiles += qs[i].size(0);
+  }
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be float32 or bfloat16");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == tiles * kTile, op, ": bias must have N elements");
+  at::Tensor y = at::empty(out_shape(x_in, tiles * kTile), x.options());
 #if defined(PAGEDSERVE_AVX2)
   if (x.size(0) == 0) return y;
   at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  bits_q8_run(x_as_float(x, false).contiguous(), q, params, bits, bf.defined() ? bf.data_ptr<float>() : nullptr, y);
+  std::vector<QuadPart> parts;
+  for (size_t i = 0; i < qs.size(); ++i) parts.push_back(quad_part(qs[i], params[i], K));
+  bits_q8_parts_run(x_as_float(x, false).contiguous(), parts, bf.defined() ? bf.data_ptr<float>() : nullptr, y);
 #else
   TORCH_CHECK(false, op, ": this build has no AVX2/FMA support");
 #endif
   return y;
+}
+
+at::Tensor gemv_bits_q8(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& params,
+                        const c10::optional<at::Tensor>& bias) {
+  return bits_q8_parts(x_in, {q}, {params}, bias, "gemv_bits_q8");
+}
+
+// A fused layer whose shards have different GGUF types (a Q4_K_M file's qkv: q, k Q4_K and v
+// Q6_K), each part in its own bits and parameter form: the file's bytes, where one layout for
+// all would store q and k in v's 6 bits.
+at::Tensor gemv_bits_q8_parts(const at::Tensor& x_in, at::TensorList qs, at::TensorList params,
+                              const c10::optional<at::Tensor>& bias) {
+  return bits_q8_parts(x_in, qs, params, bias, "gemv_bits_q8_parts");
 }
 
 // W^T (K, N) float32 of the GEMV ops' channel tiles: int8 (N/16, K, 16) with float16 scales or
@@ -1926,6 +2100,7 @@ TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
   m.def("gemv_int4_grouped(Tensor x, Tensor q, Tensor scales_zeros, Tensor? bias) -> Tensor");
   m.def("gemv_int8_q8(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
   m.def("gemv_bits_q8(Tensor x, Tensor q, Tensor params, Tensor? bias) -> Tensor");
+  m.def("gemv_bits_q8_parts(Tensor x, Tensor[] q, Tensor[] params, Tensor? bias) -> Tensor");
   m.def("gemv_dequant_tiles(Tensor q, Tensor scales) -> Tensor");
   m.def("gemv_moe(Tensor x, Tensor gu, Tensor down, Tensor ids, Tensor weights) -> Tensor");
   m.def("available() -> bool", &available);
@@ -1936,6 +2111,7 @@ TORCH_LIBRARY(PAGEDSERVE_OPS_NAMESPACE, m) {
   m.impl("gemv_int4_grouped", c10::DispatchKey::CPU, &gemv_int4_grouped);
   m.impl("gemv_int8_q8", c10::DispatchKey::CPU, &gemv_int8_q8);
   m.impl("gemv_bits_q8", c10::DispatchKey::CPU, &gemv_bits_q8);
+  m.impl("gemv_bits_q8_parts", c10::DispatchKey::CPU, &gemv_bits_q8_parts);
   m.impl("gemv_dequant_tiles", c10::DispatchKey::CPU, &gemv_dequant_tiles);
   m.impl("gemv_moe", c10::DispatchKey::CPU, &gemv_moe);
 }

@@ -43,9 +43,10 @@ from pagedserve.quantization import gemv
 logger = logging.getLogger(__name__)
 
 # The C++ loop's op codes (kLinearOps in decoder_loop_cpu.cpp).
-DECODE_OPS = {"gemv_dense": 0, "gemv_int8_grouped": 1, "gemv_int8_q8": 2, "gemv_int4_grouped": 3, "gemv_bits_q8": 7}
-# gemv_bits_q8 is both: the int8-activation K-quant kernel takes any row count in one call.
-GEMM_OPS = {"linear": 4, "mkldnn_linear": 5, "linear_widened": 6, "gemv_bits_q8": 7}
+DECODE_OPS = {"gemv_dense": 0, "gemv_int8_grouped": 1, "gemv_int8_q8": 2, "gemv_int4_grouped": 3, "gemv_bits_q8": 7,
+              "gemv_bits_q8_parts": 8}
+# gemv_bits_q8 (_parts) is both: the int8-activation K-quant kernel takes any row count in one call.
+GEMM_OPS = {"linear": 4, "mkldnn_linear": 5, "linear_widened": 6, "gemv_bits_q8": 7, "gemv_bits_q8_parts": 8}
 NO_CALL = -1
 _DTYPES = (torch.float32, torch.bfloat16)
 

@@ -326,6 +326,15 @@ def bits_q8(
     return _ops().gemv_bits_q8(x, quads, params, bias)
 
 
+def bits_q8_parts(
+    x: torch.Tensor, quads: list[torch.Tensor], params: list[torch.Tensor], bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`bits_q8` of a layer stored in parts (each its own bits and parameter form): their outputs
+    side by side, x rounded to int8 once. A fused layer whose shards have different GGUF types
+    keeps each in the file's bytes."""
+    return _ops().gemv_bits_q8_parts(x, quads, params, bias)
+
+
 def unpack_int4_grouped(
     tiles: torch.Tensor, sz: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -272,19 +272,42 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
         # row count; "none": float32 x times the weights widened to float32 (channel tiles).
         self.activations = activations
 
-    def _register_q(self, layer: nn.Module, q: torch.Tensor, bits: int, group: int) -> None:
-        """The weight's integers in the layout its activations need (same bytes a weight)."""
-        if self.activations == "int8" and group in (16, 32):
-            layer.register_buffer("qweight_quads", gemv.pack_bit_quads(q.to(torch.uint8), bits))
-        else:
-            layer.register_buffer("qweight_tiles", gemv.pack_bits(q.to(torch.uint8), bits))
-
     def _install(self, layer: nn.Module, parts: list[object]) -> None:
+        qtypes = [p.qtype for p in parts]  # type: ignore[attr-defined]
+        # int8 activations: each run of shards of one type in its own bits and parameters (a
+        # Q4_K_M qkv's q, k in Q4_K's 4.5 bits a weight and v in Q6_K's 6.56, where one layout
+        # for all stored q and k in 6 bits with per-16 parameters: 2.82 against the file's
+        # 1.87 MB a layer of the 1.5B), multiplied by one `gemv_bits_q8_parts` call.
+        runs = [parts]
+        if self.activations == "int8":
+            runs = [[parts[0]]]
+            for part, previous in zip(parts[1:], qtypes, strict=False):
+                if part.qtype == previous:  # type: ignore[attr-defined]
+                    runs[-1].append(part)
+                else:
+                    runs.append([part])
+        laid = [self._layout(run) for run in runs]
+        if len(laid) > 1 and not all(group in (16, 32) for _, _, group, _ in laid):
+            laid = [self._layout(parts)]
+        if len(laid) > 1:
+            for i, (q, bits, _, params) in enumerate(laid):
+                layer.register_buffer(f"qweight_quads_{i}", gemv.pack_bit_quads(q, bits))
+                layer.register_buffer(f"scale_tiles_{i}", params)
+            layer.bit_parts = len(laid)
+            return
+        q, bits, group, params = laid[0]
+        if self.activations == "int8" and group in (16, 32):
+            layer.register_buffer("qweight_quads", gemv.pack_bit_quads(q, bits))
+        else:
+            layer.register_buffer("qweight_tiles", gemv.pack_bits(q, bits))
+        layer.register_buffer("scale_tiles", params)
+
+    def _layout(self, parts: list[object]) -> tuple[torch.Tensor, int, int, torch.Tensor]:
+        """Shards -> (q (out, in) uint8, bits, group, parameters) of one layout for them all."""
         qtypes = [p.qtype for p in parts]  # type: ignore[attr-defined]
         decoded = [decode(p.qtype, p.blocks, p.shape) for p in parts]  # type: ignore[attr-defined]
         if set(qtypes) <= set(K_TYPES):
-            self._install_superblocks(layer, parts, decoded)
-            return
+            return self._superblocks(parts, decoded)
         bits = 6 if "Q6_K" in qtypes else 5
         center = 1 << (bits - 1)
         group = min(d.group for d in decoded)
@@ -299,12 +322,12 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
         else:
             level0 = torch.cat([d.level0 if d.level0 is not None else -center * d.scale for d in decoded])
             params = gemv.pack_affine_params(scale, level0)
-        self._register_q(layer, q, bits, group)
-        layer.register_buffer("scale_tiles", params)
+        return q.to(torch.uint8), bits, group, params
 
-    def _install_superblocks(self, layer: nn.Module, parts: list[object], decoded: list[Decoded]) -> None:
-        """K-quants alone (Q4_K / Q5_K / Q6_K, any mix): tiles of the widest type's bits and the
-        file's own parameters per super-block (`pack_superblock_params`), ~the file's bytes."""
+    def _superblocks(self, parts: list[object], decoded: list[Decoded]) -> tuple[torch.Tensor, int, int, torch.Tensor]:
+        """K-quants alone (Q4_K / Q5_K / Q6_K, any mix): the widest type's bits and the file's
+        own parameters per super-block (`pack_superblock_params`), ~the file's bytes; Q4_K /
+        Q5_K alone in their packed 6-bit form, the file's bytes exactly."""
         qtypes = [p.qtype for p in parts]  # type: ignore[attr-defined]
         bits = 6 if "Q6_K" in qtypes else 5 if "Q5_K" in qtypes else 4
         center = 1 << (bits - 1)
@@ -312,53 +335,59 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
         group = min(k.group for k in kparts)
         kparts = [k.regrouped(group) for k in kparts]
         q = torch.cat([d.q + (center if t in CENTERED else 0) for t, d in zip(qtypes, decoded, strict=True)])
+        merged = KParts(torch.cat([k.d for k in kparts]), torch.cat([k.dmin for k in kparts]),
+                        torch.cat([k.sc for k in kparts]), torch.cat([k.m for k in kparts]), group)
+        if not any(t in CENTERED for t in qtypes) and group == 32:
+            return q.to(torch.uint8), bits, group, pack_packed_superblock_params(merged)
         centers = None
         if not all(t in CENTERED for t in qtypes):  # affine: Q6_K shards keep their center per channel
             centers = torch.cat([torch.full((k.sc.shape[0],), center if t in CENTERED else 0, dtype=torch.uint8)
                                  for t, k in zip(qtypes, kparts, strict=True)])
-        merged = KParts(torch.cat([k.d for k in kparts]), torch.cat([k.dmin for k in kparts]),
-                        torch.cat([k.sc for k in kparts]), torch.cat([k.m for k in kparts]), group)
-        self._register_q(layer, q, bits, group)
-        layer.register_buffer("scale_tiles", pack_superblock_params(merged, centers))
+        return q.to(torch.uint8), bits, group, pack_superblock_params(merged, centers)
 
     def weight_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
-        return [_bits_q(layer), layer.scale_tiles]
+        return [t for q, params in _quad_parts(layer) for t in (q, params)]
 
     def decode_op(self, layer: nn.Module) -> LinearCall | None:
-        quads = getattr(layer, "qweight_quads", None)
-        if quads is not None:
-            return linear_call("gemv_bits_q8", quads, layer.scale_tiles, bias=getattr(layer, "bias", None))
+        call = self.gemm_op(layer)
+        if call is not None:
+            return call
         return linear_call("gemv_int4_grouped", layer.qweight_tiles, layer.scale_tiles,
                            bias=getattr(layer, "bias", None))
 
     def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The (out, in) weight: gguf.dequantize's numbers (in float32, then `dtype`)."""
-        return torch.cat(list(_bits_blocks(layer, dtype)))
+        return torch.cat([w for q, params in _quad_parts(layer) for w in _bits_blocks(q, params, dtype)])
 
     def decode_max_rows(self, layer: nn.Module) -> int:
         # int8 activations: past gemv.MAX_ROWS the same kernel on all rows at once (`gemm_op`),
         # not in 32-row calls: each call streams the weight again, and 32 rows make worse
         # register blocks (12 + 12 + 8) than the whole step (a batch-48 decode: 12 x 4).
-        if getattr(layer, "qweight_quads", None) is not None:
+        if _has_quads(layer):
             return gemv.MAX_ROWS
         return super().decode_max_rows(layer)
 
     def gemm_op(self, layer: nn.Module) -> LinearCall | None:
-        quads = getattr(layer, "qweight_quads", None)
-        if quads is None:
+        if not _has_quads(layer):
             return None
-        return linear_call("gemv_bits_q8", quads, layer.scale_tiles, bias=getattr(layer, "bias", None))
+        bias = getattr(layer, "bias", None)
+        parts = _quad_parts(layer)
+        if len(parts) == 1:
+            return linear_call("gemv_bits_q8", *parts[0], bias=bias)
+        return linear_call("gemv_bits_q8_parts", *[q for q, _ in parts], *[p for _, p in parts], bias=bias)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        params, bias = layer.scale_tiles, getattr(layer, "bias", None)
-        quads = getattr(layer, "qweight_quads", None)
-        if quads is not None:
+        bias = getattr(layer, "bias", None)
+        if _has_quads(layer):
+            parts = _quad_parts(layer)
             if x.dtype in gemv.X_DTYPES:  # every row count: a prefill too (see gemv.bits_q8)
-                return gemv.bits_q8(x, quads, params, bias)
+                if len(parts) == 1:
+                    return gemv.bits_q8(x, *parts[0], bias)
+                return gemv.bits_q8_parts(x, [q for q, _ in parts], [p for _, p in parts], bias)
             x2 = gemv.q8_round_trip(x.reshape(-1, x.shape[-1])).float()  # float16: the same function
             y = add_bias((x2 @ self.dequantized_weight(layer).t()).to(x.dtype), layer)
             return y.reshape(*x.shape[:-1], y.shape[-1])
-        tiles = layer.qweight_tiles
+        tiles, params = layer.qweight_tiles, layer.scale_tiles
         if x.dtype in gemv.X_DTYPES:
             rows = gemv.rows_of(x)
             if rows <= gemv.MAX_ROWS:  # a decode step: one op, x as it is
@@ -368,17 +397,25 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
         return _exact_gemm(layer, x, tiles, params)
 
 
-def _bits_q(layer: nn.Module) -> torch.Tensor:
+def _has_quads(layer: nn.Module) -> bool:
+    return hasattr(layer, "qweight_quads") or hasattr(layer, "bit_parts")
+
+
+def _quad_parts(layer: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A `GGUFBitsMethod` layer's (weight, parameters) per part, in output order: one pair
+    (bit quads or channel tiles), or its parts' (`bit_parts`)."""
+    parts = getattr(layer, "bit_parts", 0)
+    if parts:
+        return [(getattr(layer, f"qweight_quads_{i}"), getattr(layer, f"scale_tiles_{i}")) for i in range(parts)]
     quads = getattr(layer, "qweight_quads", None)
-    return quads if quads is not None else layer.qweight_tiles  # type: ignore[return-value]
+    return [(quads if quads is not None else layer.qweight_tiles, layer.scale_tiles)]  # type: ignore[list-item]
 
 
-def _bits_blocks(layer: nn.Module, dtype: torch.dtype) -> Iterator[torch.Tensor]:
-    """The weight of a `GGUFBitsMethod` layer, (16 T, in) in `dtype` per block of T tiles
-    (~4 MiB of float32): (q - center) * s, or q * s + l0 (q * s exact, one rounding: gguf's)."""
-    tiles = _bits_q(layer)
-    params: torch.Tensor = layer.scale_tiles  # type: ignore[assignment]
-    quads = tiles is getattr(layer, "qweight_quads", None)
+def _bits_blocks(tiles: torch.Tensor, params: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """The weight of bit quads or channel tiles `tiles` with `params`, (16 T, in) in `dtype` per
+    block of T tiles (~4 MiB of float32): (q - center) * s, or q * s + l0 (q * s exact, one
+    rounding: gguf's)."""
+    quads = tiles.dim() == 3 and tiles.shape[2] >= 256
     unpack = gemv.unpack_bit_quads if quads else gemv.unpack_bits
     num_tiles = tiles.shape[0]
     in_features = tiles.shape[1] * 32 if quads else tiles.shape[1]
@@ -440,10 +477,58 @@ def pack_superblock_params(k: KParts, centers: torch.Tensor | None) -> torch.Ten
     return torch.cat((_by_tile(half(k.d)), _by_tile(half(k.dmin)), _by_tile(c), pairs), dim=-1).contiguous()
 
 
+# Q4_K / Q5_K alone (csrc's KPackedParams): d, dmin and the 6-bit sc, m planes, 256 bytes a tile
+# and super-block, 16 a channel: the file's own bytes (the affine form's center byte and whole
+# bytes for sc and m made it 21).
+PACKED_SUPER_BYTES = 256
+
+
+def _six_bit_planes(v: torch.Tensor) -> torch.Tensor:
+    """(out, S, 8) values in [0, 64) -> (out / 16, S, 96): the low nibbles per group pair
+    (group 2i low, 2i + 1 high), then the high 2 bits per 4 groups (group g at bits 2 (g % 4))."""
+    out_features, supers, _ = v.shape
+    v = v.to(torch.uint8)
+    low = (v[..., 0::2] & 15) | ((v[..., 1::2] & 15) << 4)  # (out, S, 4)
+    high = (v >> 4).view(out_features, supers, 2, 4) << (2 * torch.arange(4, dtype=torch.uint8))
+    high = high.sum(dim=-1, dtype=torch.uint8)  # (out, S, 2)
+    return torch.cat((_by_tile(low[..., None]), _by_tile(high[..., None])), dim=-1)
+
+
+def pack_packed_superblock_params(k: KParts) -> torch.Tensor:
+    """Q4_K / Q5_K parameters (groups of 32) -> uint8 (out / 16, in / 256, 256): per tile and
+    super-block d, dmin float16[16], then sc's and m's 6-bit planes (`_six_bit_planes`)."""
+    out_features, supers = k.d.shape
+    if k.group != 32 or k.sc.shape[1] != supers * 8:
+        raise ValueError(f"the packed form holds groups of 32, got {k.group}")
+
+    def half(x: torch.Tensor) -> torch.Tensor:
+        return _by_tile(x.contiguous().view(torch.uint8).view(out_features, supers, 1, 2))
+
+    sc, m = (x.view(torch.uint8).view(out_features, supers, 8) for x in (k.sc, k.m))
+    return torch.cat((half(k.d), half(k.dmin), _six_bit_planes(sc), _six_bit_planes(m)), dim=-1).contiguous()
+
+
+def _unpack_six_bit_planes(planes: torch.Tensor) -> torch.Tensor:
+    """(T, S, 96) -> (T, S, 8, 16) values: the inverse of `_six_bit_planes`."""
+    num_tiles, supers, _ = planes.shape
+    low = planes[..., :64].reshape(num_tiles, supers, 4, gemv.TILE)
+    high = planes[..., 64:].reshape(num_tiles, supers, 2, 1, gemv.TILE)
+    low = torch.stack((low & 15, low >> 4), dim=3).reshape(num_tiles, supers, 8, gemv.TILE)
+    shifts = (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)
+    high = ((high >> shifts) & 3).reshape(num_tiles, supers, 8, gemv.TILE)
+    return low | (high << 4)
+
+
 def superblock_params_as_float(params: torch.Tensor, center: int) -> torch.Tensor:
     """`pack_superblock_params`' bytes -> the float32 forms the kernel computes from them:
     (T, in / group, 16) scales of q - center (centered), or (T, in / group, 2, 16) (s, l0)."""
     num_tiles, supers, nbytes = params.shape
+    if nbytes == PACKED_SUPER_BYTES:  # Q4_K / Q5_K: l0 = -(dmin * m), no center
+        d = params[..., :32].contiguous().view(torch.float16).float()[:, :, None, :]
+        dmin = params[..., 32:64].contiguous().view(torch.float16).float()[:, :, None, :]
+        s = d * _unpack_six_bit_planes(params[..., 64:160]).float()
+        level0 = -(dmin * _unpack_six_bit_planes(params[..., 160:]).float())
+        return torch.stack((s, level0), dim=3).reshape(num_tiles, supers * 8, 2, gemv.TILE)
     affine = nbytes >= 112 and (nbytes - _AFFINE_HEAD) % 32 == 0
     head = _AFFINE_HEAD if affine else _CENTERED_HEAD
     groups = (nbytes - head) // (32 if affine else 16)

@@ -127,7 +127,10 @@ def test_int8_activations_multiply_the_files_values_by_rounded_x(qtypes: tuple[s
     layer, want_w = _layer(qtypes, bias=True, activations="int8")
     method = layer.quant_method
     rounds = _rounds(qtypes)
-    assert hasattr(layer, "qweight_quads") == rounds, method.name
+    parts = getattr(layer, "bit_parts", 0)
+    assert (hasattr(layer, "qweight_quads") or parts > 0) == rounds, method.name
+    if method.name == "gguf-bits":  # each shard's type in its own part (the cases' shards all differ)
+        assert parts == (len(qtypes) if len(qtypes) > 1 else 0)
     assert torch.equal(method.dequantized_weight(layer), want_w)
     gen = torch.Generator().manual_seed(4)
     for rows in ROWS:
@@ -144,6 +147,21 @@ def test_int8_activations_multiply_the_files_values_by_rounded_x(qtypes: tuple[s
                 bound = bound + want.abs() * BF16_ULP + magnitude * BF16_ULP
             assert got.dtype == dtype and got.shape == want.shape
             assert ((got.double() - want).abs() <= bound + 1e-6).all(), (rows, dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtypes", [("Q4_K",), ("Q6_K",), ("Q5_K",), ("Q4_K", "Q4_K", "Q6_K"), ("Q6_K", "Q4_K"),
+                                    ("Q4_K", "Q5_K", "Q6_K")], ids="+".join)
+def test_k_quant_layers_hold_the_files_bytes(qtypes: tuple[str, ...]):
+    """With int8 activations a K-quant layer keeps exactly the file's bytes, so a decode step
+    reads no more than llama.cpp does: each run of shards of one type in its own bits, Q4_K /
+    Q5_K's 6-bit scales and mins packed as the file packs them (a Q4_K_M qkv with a Q6_K v
+    held q and k in 6 bits, and Q4_K's parameters took 21 bytes a channel and super-block, not
+    16)."""
+    layer, want_w = _layer(qtypes, bias=False, activations="int8")
+    raw = sum(_tensor(t, i + 1)[0].blocks.numel() for i, t in enumerate(qtypes))
+    assert layer.quant_method.weight_bytes(layer) == raw
+    assert torch.equal(layer.quant_method.dequantized_weight(layer), want_w)
 
 
 @needs_kernel
@@ -198,6 +216,10 @@ def test_bits_q8_refuses_malformed_inputs():
         gemv.bits_q8(torch.zeros(1, 96), q, pairs, None)  # K mismatch
     with pytest.raises(RuntimeError, match="groups of 16 or 32"):
         gemv.bits_q8(torch.zeros(1, 64), q, torch.zeros(1, 1, 2, 16), None)  # a group of 64
+    with pytest.raises(RuntimeError, match="one parameter tensor per part"):
+        gemv.bits_q8_parts(torch.zeros(1, 64), [q, q], [pairs], None)
+    with pytest.raises(RuntimeError, match="bias must have N"):
+        gemv.bits_q8_parts(torch.zeros(1, 64), [q, q], [pairs, pairs], torch.zeros(16))
 
 
 @needs_kernel
@@ -206,9 +228,13 @@ def test_the_decode_op_is_the_apply_of_a_decode_step():
     for activations in ("none", "int8"):
         layer, _ = _layer(("Q4_K", "Q6_K"), bias=False, activations=activations)
         op, args = layer.quant_method.decode_op(layer)
-        assert op == ("gemv_bits_q8" if activations == "int8" else "gemv_int4_grouped")
+        assert op == ("gemv_bits_q8_parts" if activations == "int8" else "gemv_int4_grouped")
         x = torch.randn(4, IN)
-        assert torch.equal(getattr(gemv._ops(), op)(x, *args, None), layer.quant_method.apply(layer, x))
+        if op == "gemv_bits_q8_parts":  # the parts' q's, then their parameters
+            got = gemv._ops().gemv_bits_q8_parts(x, args[:2], args[2:], None)
+        else:
+            got = getattr(gemv._ops(), op)(x, *args, None)
+        assert torch.equal(got, layer.quant_method.apply(layer, x))
 
 
 @needs_kernel
@@ -232,21 +258,22 @@ def test_parameters_take_the_fewest_bytes_that_are_exact():
 
 
 # K-quants alone: uint8 super-block parameters (N/16, in/256, B), the file's integers and
-# float16s: B = 32 + 16 G centered (Q6_K alone), 80 + 32 G affine (G = groups a super-block).
+# float16s: B = 32 + 16 G centered (Q6_K alone), 256 packed (Q4_K / Q5_K: 6-bit sc and m),
+# 80 + 32 G affine (Q6_K beside them; G = groups a super-block).
 SUPERBLOCK_FORMS = {  # tile bytes per k, B, bits a weight read (the file's)
-    ("Q4_K",): (8, 80 + 32 * 8, 4.5),
-    ("Q5_K",): (10, 80 + 32 * 8, 5.5),
+    ("Q4_K",): (8, 256, 4.5),
+    ("Q5_K",): (10, 256, 5.5),
     ("Q6_K",): (12, 32 + 16 * 16, 6.5625),
     ("Q4_K", "Q6_K"): (12, 80 + 32 * 16, None),
-    ("Q4_K", "Q5_K"): (10, 80 + 32 * 8, None),
+    ("Q4_K", "Q5_K"): (10, 256, None),
 }
 
 
 @needs_kernel
 @pytest.mark.parametrize("qtypes", list(SUPERBLOCK_FORMS), ids="+".join)
 def test_k_quants_read_about_the_files_bytes(qtypes: tuple[str, ...]):
-    """A decode step reads the tiles and these parameters: within 0.2 bits a weight of the
-    file's own size where the layer has one type (float32 (s, l0) pairs cost 2 bits more)."""
+    """A decode step reads the tiles and these parameters: the file's own size where the layer
+    has one type (float32 (s, l0) pairs cost 2 bits more)."""
     nbytes, sb_bytes, file_bits = SUPERBLOCK_FORMS[qtypes]
     layer, _ = _layer(qtypes, bias=False)
     tiles, params = layer.qweight_tiles, layer.scale_tiles
@@ -254,7 +281,7 @@ def test_k_quants_read_about_the_files_bytes(qtypes: tuple[str, ...]):
     assert params.dtype == torch.uint8 and params.shape == (tiles.shape[0], IN // 256, sb_bytes)
     if file_bits is not None:
         bits = 8 * (tiles.numel() + params.numel()) / (OUT * IN)
-        assert file_bits <= bits <= file_bits + 0.2, bits
+        assert bits == file_bits
 
 
 @needs_kernel

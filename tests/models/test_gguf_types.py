@@ -169,8 +169,9 @@ def test_int8_activations_equal_transformers_with_rounded_inputs(tmp_path, qtype
 def test_bit_quad_files_run_every_step_in_the_decoder_loop(tmp_path, monkeypatch):
     """gemv_bits_q8 takes any row count, so it is the loop's GEMM call too: the prefill (45 rows)
     runs in the C++ loop with one kernel call a layer, and its tokens and logprobs are the
-    Python layers' exactly."""
-    path = _file(tmp_path, "Q4_K")
+    Python layers' exactly. The Q4_K_M layout of Qwen2.5's files: a Q6_K v beside Q4_K q, k
+    (a qkv in two parts: gemv_bits_q8_parts), biases, a Q6_K down."""
+    path = _file(tmp_path, "Q4_K", arch="qwen2", types={"attn_v": "Q6_K", "ffn_down": "Q6_K"})
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     runs = {}
     for mode in ("cpp", "off"):
@@ -179,6 +180,8 @@ def test_bit_quad_files_run_every_step_in_the_decoder_loop(tmp_path, monkeypatch
         runs[mode] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                                                          use_tqdm=False)]
         loop = llm.llm_engine.runner.decoder_loop
+        qkv = llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.quant_method.decode_op(qkv)[0] == "gemv_bits_q8_parts"
         if mode == "cpp":
             assert loop is not None and loop.max_tokens is None
             assert loop.calls == 12  # one prefill step, eleven decode steps
