@@ -50,6 +50,9 @@
 //                      x quantized per row and block of 32 to int8 (float32 scale absmax / 127),
 //                      int8 x int8 dot products exact in int32 (llama.cpp's q8_0 x q8_0 on AVX2),
 //                      y = sum_blocks float(dot) * (scale * d_x) (+ bias), rounded to x's dtype.
+//   gemv_bits_q8       4 / 5 / 6-bit "bit quads" (a GGUF file's K-quants, Q5_0, Q5_1) x int8 x,
+//                      any row count; gemv_bits_q8_parts: a fused layer in parts of different
+//                      bits and parameter forms (one per run of shards of a type), x rounded once.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
