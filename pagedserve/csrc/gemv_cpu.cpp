@@ -1469,6 +1469,23 @@ Q8Rows q8_rows(const at::Tensor& xf, bool need16, bool need32) {
   return a;
 }
 
+// A tile's s and l0 for every group as float32 (s0, s1, l0, l1: 32 floats a group), made once
+// per tile where its rows take more than one register block: the blocks load them instead of
+// computing them from the parameter form again each (the packed 6-bit form takes ~30
+// instructions a group, and re-unpacking it per 12-row block cost a 48-row step 9%).
+// `-DPAGEDSERVE_TILE_FLOAT_PARAMS=0`: every block computes them (bits_q8_width.py --variant).
+#ifndef PAGEDSERVE_TILE_FLOAT_PARAMS
+#define PAGEDSERVE_TILE_FLOAT_PARAMS 1
+#endif
+struct TileFloatParams {
+  const float* p;
+  TileFloatParams local() const { return *this; }
+  PAGEDSERVE_FORCE_INLINE void operator()(int64_t, int64_t g, __m256& s0, __m256& s1, __m256& l0, __m256& l1) const {
+    const float* f = p + g * 32;
+    s0 = _mm256_loadu_ps(f), s1 = _mm256_loadu_ps(f + 8), l0 = _mm256_loadu_ps(f + 16), l1 = _mm256_loadu_ps(f + 24);
+  }
+};
+
 // Rows m_lo .. m_hi - 1 times tile t of one part (its quads at qt, `Bits` wide, `params` its
 // parameter form, groups of `group` k): tot[(m - m_lo) * 16 + j]. `next` / `next_bytes`: the
 // tile a thread reads after this one, which the row blocks prefetch a share of.
@@ -1476,42 +1493,58 @@ template <int Bits, class Params>
 void quad_tile_all_rows(const Q8Rows& a, const uint8_t* qt, int64_t t, const Params& params, int64_t group,
                         int64_t m_lo, int64_t m_hi, float* tot, const uint8_t* next, int64_t next_bytes) {
   const int64_t K = a.K, nb = a.nb, groups = K / group;
-  const Params tile_params = params.local();
   const float* xs = a.xs(group);
   const int64_t blocks = (m_hi - m_lo + kQuadRows - 1) / kQuadRows;
-  for (int64_t m = m_lo, block = 0; m < m_hi; m += kQuadRows, ++block) {
-    const NextTile nt = NextTile::share(next, next_bytes, nb, block, blocks);
-    const int8_t* xm = a.xq.data() + m * K;
-    const float* dm = a.dx.data() + m * nb;
-    const float* sm = xs + m * groups;
-    float* o = tot + (m - m_lo) * kTile;
-    const bool first = block == 0;
-    auto run = [&](auto rows) {
-      quad_tile_rows<Bits, decltype(rows)::value>(qt, xm, dm, sm, K, group, tile_params, t, o, first, nt);
-    };
-    switch (std::min<int64_t>(kQuadRows, m_hi - m)) {
+  auto walk = [&](const auto& tile_params) {
+    using P = std::decay_t<decltype(tile_params)>;
+    for (int64_t m = m_lo, block = 0; m < m_hi; m += kQuadRows, ++block) {
+      const NextTile nt = NextTile::share(next, next_bytes, nb, block, blocks);
+      const int8_t* xm = a.xq.data() + m * K;
+      const float* dm = a.dx.data() + m * nb;
+      const float* sm = xs + m * groups;
+      float* o = tot + (m - m_lo) * kTile;
+      const bool first = block == 0;
+      auto run = [&](auto rows) {
+        quad_tile_rows<Bits, decltype(rows)::value, P>(qt, xm, dm, sm, K, group, tile_params, t, o, first, nt);
+      };
+      switch (std::min<int64_t>(kQuadRows, m_hi - m)) {
 #if PAGEDSERVE_QUAD_ROWS >= 12
-      case 12: run(std::integral_constant<int, 12>{}); break;
-      case 11: run(std::integral_constant<int, 11>{}); break;
-      case 10: run(std::integral_constant<int, 10>{}); break;
-      case 9: run(std::integral_constant<int, 9>{}); break;
+        case 12: run(std::integral_constant<int, 12>{}); break;
+        case 11: run(std::integral_constant<int, 11>{}); break;
+        case 10: run(std::integral_constant<int, 10>{}); break;
+        case 9: run(std::integral_constant<int, 9>{}); break;
 #endif
 #if PAGEDSERVE_QUAD_ROWS >= 8
-      case 8: run(std::integral_constant<int, 8>{}); break;
-      case 7: run(std::integral_constant<int, 7>{}); break;
+        case 8: run(std::integral_constant<int, 8>{}); break;
+        case 7: run(std::integral_constant<int, 7>{}); break;
 #endif
 #if PAGEDSERVE_QUAD_ROWS >= 5
-      case 6: run(std::integral_constant<int, 6>{}); break;
-      case 5: run(std::integral_constant<int, 5>{}); break;
+        case 6: run(std::integral_constant<int, 6>{}); break;
+        case 5: run(std::integral_constant<int, 5>{}); break;
 #endif
 #if PAGEDSERVE_QUAD_ROWS >= 3
-      case 4: run(std::integral_constant<int, 4>{}); break;
-      case 3: run(std::integral_constant<int, 3>{}); break;
+        case 4: run(std::integral_constant<int, 4>{}); break;
+        case 3: run(std::integral_constant<int, 3>{}); break;
 #endif
-      case 2: run(std::integral_constant<int, 2>{}); break;
-      default: run(std::integral_constant<int, 1>{}); break;
+        case 2: run(std::integral_constant<int, 2>{}); break;
+        default: run(std::integral_constant<int, 1>{}); break;
+      }
     }
+  };
+  const Params tile_params = params.local();
+  if (blocks <= 1 || !PAGEDSERVE_TILE_FLOAT_PARAMS) {
+    walk(tile_params);
+    return;
   }
+  thread_local std::vector<float> floats;
+  floats.resize(groups * 32);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 s0, s1, l0, l1;
+    tile_params(t, g, s0, s1, l0, l1);
+    float* f = floats.data() + g * 32;
+    _mm256_storeu_ps(f, s0), _mm256_storeu_ps(f + 8, s1), _mm256_storeu_ps(f + 16, l0), _mm256_storeu_ps(f + 24, l1);
+  }
+  walk(TileFloatParams{floats.data()});
 }
 
 // One part of a layer's output channels (a fused layer's shards of one GGUF type): its quads,
