@@ -256,11 +256,18 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
     for all, a centered shard's l0 = -2^(bits-1) s (exact).
 
     K-quants alone (Q4_K / Q5_K / Q6_K, any mix; Q4_K in 4-bit tiles): the file's own
-    parameters per super-block of 256 (`pack_superblock_params`), multiplied out by the kernel.
+    parameters per super-block of 256 (`pack_superblock_params`; Q4_K / Q5_K alone packed in
+    6 bits as the file packs them: `pack_packed_superblock_params`), multiplied out by the kernel.
 
-    Layer tensors: qweight_tiles (out/16, in, 8, 10 or 12) uint8, scale_tiles (out/16, in / g, 16)
-    float16 / float32, (out/16, in / g, 2, 16) float32, or uint8 super-block parameters
-    (out/16, in / 256, B). Needs the GEMV kernel (`gguf_method`).
+    int8 activations: a fused layer whose shards have different types holds each run of shards
+    of one type in its own bits and parameters (`bit_parts` parts, qweight_quads_i /
+    scale_tiles_i, one `gemv_bits_q8_parts` call), so a K-quant layer holds exactly the file's
+    bytes.
+
+    Layer tensors: qweight_tiles (out/16, in, 8, 10 or 12) uint8 or qweight_quads (out/16, in/32,
+    256, 320 or 384) uint8; scale_tiles (out/16, in / g, 16) float16 / float32, (out/16, in / g,
+    2, 16) float32, or uint8 super-block parameters (out/16, in / 256, B). Needs the GEMV kernel
+    (`gguf_method`).
     """
 
     name = "gguf-bits"
