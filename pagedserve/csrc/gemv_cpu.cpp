@@ -67,6 +67,7 @@
 #include <cstring>
 #include <functional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "pagedserve_common.h"
@@ -92,9 +93,10 @@ struct SuperLayout {
   SuperForm form;
   int64_t groups;  // G, groups per super-block
 };
+constexpr int64_t kPackedSuperBytes = 256;  // KPackedParams' B (G = 8)
 inline SuperLayout super_layout(int64_t B) {
   SuperLayout l{SuperForm::kInvalid, 0};
-  if (B == 256) l = {SuperForm::kPacked, 8};
+  if (B == kPackedSuperBytes) l = {SuperForm::kPacked, 8};
   else if (B >= 112 && (B - 80) % 32 == 0) l = {SuperForm::kAffine, (B - 80) / 32};
   else if (B >= 48 && (B - 32) % 16 == 0) l = {SuperForm::kCentered, (B - 32) / 16};
   if (l.groups <= 0 || l.groups > 16 || 256 % l.groups != 0) l = {SuperForm::kInvalid, 0};
@@ -864,7 +866,6 @@ struct KParams {
 //   96 bytes = low nibbles (16 bytes per group pair: group 2i low, 2i + 1 high nibble), then the
 //   high 2 bits (16 bytes per 4 groups, group g at bits 2 (g % 4)); sc's planes, then m's.
 // The same s = d * sc and l0 = -(dmin * m) as KParams<true> with center 0, bit for bit.
-constexpr int64_t kPackedSuperBytes = 256;
 struct KPackedParams {
   const uint8_t* p;
   int64_t sbs;  // super-blocks per tile (K / 256)
@@ -1590,18 +1591,16 @@ void bits_q8_parts_run(const at::Tensor& xf, const std::vector<QuadPart>& parts,
   }
   const Q8Rows a = q8_rows(xf, need16, need32);
   const int64_t M = a.M, K = a.K;
-  // Global tile -> (part, tile in part), and the byte offset each tile starts at.
-  std::vector<int32_t> part_of(total_tiles);
-  std::vector<int64_t> start(total_tiles + 1);
-  for (int64_t i = 0, t = 0, off = 0; i < static_cast<int64_t>(parts.size()); ++i)
-    for (int64_t j = 0; j < parts[i].tiles; ++j, ++t) {
-      part_of[t] = static_cast<int32_t>(i);
-      start[t] = off;
-      off += parts[i].tile_bytes;
+  // The first tile (part, tile in it) that starts at or after byte `b` of the parts laid end to
+  // end; (parts, 0) past the last. Each tile has one such pair, so threads' ranges compare.
+  auto tile_at = [&](int64_t b) {
+    size_t i = 0;
+    for (int64_t off = 0; i < parts.size(); off += parts[i].tiles * parts[i].tile_bytes, ++i) {
+      const int64_t tb = parts[i].tile_bytes;
+      if (b <= off + (parts[i].tiles - 1) * tb) return std::pair<size_t, int64_t>{i, (std::max<int64_t>(b - off, 0) + tb - 1) / tb};
     }
-  start[total_tiles] = total_bytes;
-  std::vector<int64_t> first_tile(parts.size());
-  for (size_t i = 1; i < parts.size(); ++i) first_tile[i] = first_tile[i - 1] + parts[i - 1].tiles;
+    return std::pair<size_t, int64_t>{i, 0};
+  };
   const TileOut out(y, bias, total_tiles * kTile);
   const int64_t chunk_rows = PAGEDSERVE_ROW_CHUNK_BYTES <= 0 ? M
       : std::max<int64_t>(kQuadRows, PAGEDSERVE_ROW_CHUNK_BYTES / K / kQuadRows * kQuadRows);
@@ -1609,23 +1608,24 @@ void bits_q8_parts_run(const at::Tensor& xf, const std::vector<QuadPart>& parts,
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total_bytes >> 15));
   at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
     // This thread's tiles: those starting in its share of the bytes.
-    const int64_t b0 = total_bytes * i0 / threads, b1 = total_bytes * i1 / threads;
-    const int64_t t0 = std::lower_bound(start.begin(), start.end() - 1, b0) - start.begin();
-    const int64_t t1 = std::lower_bound(start.begin(), start.end() - 1, b1) - start.begin();
-    if (t0 >= t1) return;
+    const auto first = tile_at(total_bytes * i0 / threads), end = tile_at(total_bytes * i1 / threads);
+    if (first == end) return;
     std::vector<float> tot(std::min(M, chunk_rows) * kTile);
     for (int64_t m_lo = 0; m_lo < M; m_lo += chunk_rows) {
       const int64_t m_hi = std::min(M, m_lo + chunk_rows);
-      for (int64_t t = t0; t < t1; ++t) {
-        const QuadPart& p = parts[part_of[t]];
-        const int64_t local = t - first_tile[part_of[t]];
+      int64_t t = 0;  // the global tile of (i, local): the parts before i, then local
+      for (size_t i = 0; i < first.first; ++i) t += parts[i].tiles;
+      t += first.second;
+      for (auto [i, local] = first; std::make_pair(i, local) < end; ++t) {
+        const QuadPart& p = parts[i];
         const uint8_t* qt = p.q + local * p.tile_bytes;
         // the next tile in this part, or the next part's first (past the end: a harmless prefetch)
-        const bool last = local + 1 == p.tiles && t + 1 < total_tiles;
-        const uint8_t* next = last ? parts[part_of[t + 1]].q : qt + p.tile_bytes;
-        const int64_t next_bytes = last ? parts[part_of[t + 1]].tile_bytes : p.tile_bytes;
+        const bool last = local + 1 == p.tiles && i + 1 < parts.size();
+        const uint8_t* next = last ? parts[i + 1].q : qt + p.tile_bytes;
+        const int64_t next_bytes = last ? parts[i + 1].tile_bytes : p.tile_bytes;
         p.rows(a, qt, local, m_lo, m_hi, tot.data(), next, next_bytes);
         out.store(tot.data(), m_hi - m_lo, t, m_lo);
+        if (++local == p.tiles) ++i, local = 0;
       }
     }
   });
@@ -2008,20 +2008,18 @@ at::Tensor gemv_int4_grouped(const at::Tensor& x_in, const at::Tensor& q, const 
 // uint8, parameters as gemv_int4_grouped's 5- / 6-bit forms (groups of 16 or 32 k). Any number
 // of rows: a prefill's many rows reuse each unpacked weight vector kQuadRows times, so the
 // op serves prefill as well as decode steps.
-void check_bit_quads(int64_t K, const at::Tensor& q, const at::Tensor& params, const char* op) {
-  const int64_t B = q.dim() == 3 ? q.size(2) : 0;
+void check_bit_quads(const at::Tensor& x, const at::Tensor& q, const at::Tensor& params, const char* op) {
+  const int64_t K = x.size(1), B = q.dim() == 3 ? q.size(2) : 0;
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && (B == 256 || B == 320 || B == 384) &&
                   K % 32 == 0 && q.size(1) * 32 == K,
               op, ": q must be contiguous uint8 bit quads (N/16, K/32, 256 / 320 / 384) with K = x.size(-1)");
   const int bits = static_cast<int>(4 + (B - 256) / 64);
   const auto kind = params.scalar_type();
-  TORCH_CHECK(params.is_contiguous() && params.dim() >= 3 && params.size(0) == q.size(0), op,
-              ": parameters must be contiguous, one row per tile of q");
+  check_x_scales_bias(x, q.size(0), params, std::nullopt, op, 16);  // the bias: the parts' total (the caller)
   if (kind == at::kByte) {
     const int64_t G = check_bits_superblocks(K, q.size(0), params, op);
     TORCH_CHECK(G == 8 || G == 16, op, ": super-block parameters need groups of 32 or 16 k");
   } else {
-    TORCH_CHECK(params.size(1) > 0 && K % params.size(1) == 0, op, ": parameter groups must divide K");
     const int64_t group = K / params.size(1);
     TORCH_CHECK(group == 16 || group == 32, op, ": groups of 16 or 32 k, got ", group);
     const bool centered = params.dim() == 3;
@@ -2041,10 +2039,9 @@ at::Tensor bits_q8_parts(const at::Tensor& x_in, at::TensorList qs, at::TensorLi
   const int64_t K = x.size(1);
   int64_t tiles = 0;
   for (size_t i = 0; i < qs.size(); ++i) {
-    check_bit_quads(K, qs[i], params[i], op);
+    check_bit_quads(x, qs[i], params[i], op);
     tiles += qs[i].size(0);
   }
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be float32 or bfloat16");
   TORCH_CHECK(!bias.has_value() || bias->numel() == tiles * kTile, op, ": bias must have N elements");
   at::Tensor y = at::empty(out_shape(x_in, tiles * kTile), x.options());
 #if defined(PAGEDSERVE_AVX2)

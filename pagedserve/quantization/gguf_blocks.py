@@ -27,6 +27,7 @@ one qkv_proj), loads dequantized like the embedding and the LM head.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -280,22 +281,15 @@ class GGUFBitsMethod(_GGUFBlocks, LinearMethod):
         self.activations = activations
 
     def _install(self, layer: nn.Module, parts: list[object]) -> None:
-        qtypes = [p.qtype for p in parts]  # type: ignore[attr-defined]
         # int8 activations: each run of shards of one type in its own bits and parameters (a
         # Q4_K_M qkv's q, k in Q4_K's 4.5 bits a weight and v in Q6_K's 6.56, where one layout
         # for all stored q and k in 6 bits with per-16 parameters: 2.82 against the file's
         # 1.87 MB a layer of the 1.5B), multiplied by one `gemv_bits_q8_parts` call.
+        # (Every type here has groups of 16 or 32, so every part can be bit quads.)
         runs = [parts]
         if self.activations == "int8":
-            runs = [[parts[0]]]
-            for part, previous in zip(parts[1:], qtypes, strict=False):
-                if part.qtype == previous:  # type: ignore[attr-defined]
-                    runs[-1].append(part)
-                else:
-                    runs.append([part])
+            runs = [list(run) for _, run in itertools.groupby(parts, key=lambda p: p.qtype)]  # type: ignore[attr-defined]
         laid = [self._layout(run) for run in runs]
-        if len(laid) > 1 and not all(group in (16, 32) for _, _, group, _ in laid):
-            laid = [self._layout(parts)]
         if len(laid) > 1:
             for i, (q, bits, _, params) in enumerate(laid):
                 layer.register_buffer(f"qweight_quads_{i}", gemv.pack_bit_quads(q, bits))
@@ -462,6 +456,12 @@ def _by_tile(x: torch.Tensor) -> torch.Tensor:
     return tiles.reshape(out_features // gemv.TILE, supers, groups * gemv.TILE * nbytes)
 
 
+def _halves_by_tile(x: torch.Tensor) -> torch.Tensor:
+    """float16 (out, S) -> (out / 16, S, 32): a tile's 16 channels' values, per super-block."""
+    out_features, supers = x.shape
+    return _by_tile(x.contiguous().view(torch.uint8).view(out_features, supers, 1, 2))
+
+
 def pack_superblock_params(k: KParts, centers: torch.Tensor | None) -> torch.Tensor:
     """K-quant parameters (out rows) -> uint8 (out / 16, in / 256, B) per tile and super-block:
     centered (`centers` None: every shard Q6_K, W = (q - 2^(bits-1)) d sc), B = 32 + 16 G:
@@ -470,18 +470,14 @@ def pack_superblock_params(k: KParts, centers: torch.Tensor | None) -> torch.Ten
     sc int8[16], m int8[16]: W = q d sc - center d sc - dmin m (G = 256 / group)."""
     out_features, supers = k.d.shape
     groups = k.sc.shape[1] // supers
-
-    def half(x: torch.Tensor) -> torch.Tensor:
-        return x.contiguous().view(torch.uint8).view(out_features, supers, 1, 2)
-
     sc = k.sc.view(torch.uint8).view(out_features, supers, groups, 1)
     if centers is None:
-        return torch.cat((_by_tile(half(k.d)), _by_tile(sc)), dim=-1).contiguous()
+        return torch.cat((_halves_by_tile(k.d), _by_tile(sc)), dim=-1).contiguous()
     c = centers.view(out_features, 1, 1, 1).expand(out_features, supers, 1, 1)
     pairs = torch.cat((sc, k.m.view(torch.uint8).view(out_features, supers, groups, 1)), dim=-1)
     pairs = pairs.view(out_features // gemv.TILE, gemv.TILE, supers, groups, 2).permute(0, 2, 3, 4, 1)
     pairs = pairs.reshape(out_features // gemv.TILE, supers, groups * 2 * gemv.TILE)
-    return torch.cat((_by_tile(half(k.d)), _by_tile(half(k.dmin)), _by_tile(c), pairs), dim=-1).contiguous()
+    return torch.cat((_halves_by_tile(k.d), _halves_by_tile(k.dmin), _by_tile(c), pairs), dim=-1).contiguous()
 
 
 # Q4_K / Q5_K alone (csrc's KPackedParams): d, dmin and the 6-bit sc, m planes, 256 bytes a tile
@@ -507,12 +503,9 @@ def pack_packed_superblock_params(k: KParts) -> torch.Tensor:
     out_features, supers = k.d.shape
     if k.group != 32 or k.sc.shape[1] != supers * 8:
         raise ValueError(f"the packed form holds groups of 32, got {k.group}")
-
-    def half(x: torch.Tensor) -> torch.Tensor:
-        return _by_tile(x.contiguous().view(torch.uint8).view(out_features, supers, 1, 2))
-
     sc, m = (x.view(torch.uint8).view(out_features, supers, 8) for x in (k.sc, k.m))
-    return torch.cat((half(k.d), half(k.dmin), _six_bit_planes(sc), _six_bit_planes(m)), dim=-1).contiguous()
+    return torch.cat((_halves_by_tile(k.d), _halves_by_tile(k.dmin), _six_bit_planes(sc), _six_bit_planes(m)),
+                     dim=-1).contiguous()
 
 
 def _unpack_six_bit_planes(planes: torch.Tensor) -> torch.Tensor:
@@ -530,21 +523,23 @@ def superblock_params_as_float(params: torch.Tensor, center: int) -> torch.Tenso
     """`pack_superblock_params`' bytes -> the float32 forms the kernel computes from them:
     (T, in / group, 16) scales of q - center (centered), or (T, in / group, 2, 16) (s, l0)."""
     num_tiles, supers, nbytes = params.shape
+
+    def halves(at: int) -> torch.Tensor:  # (T, S, 1, 16)
+        return params[..., at : at + 32].contiguous().view(torch.float16).float()[:, :, None, :]
+
+    d = halves(0)
     if nbytes == PACKED_SUPER_BYTES:  # Q4_K / Q5_K: l0 = -(dmin * m), no center
-        d = params[..., :32].contiguous().view(torch.float16).float()[:, :, None, :]
-        dmin = params[..., 32:64].contiguous().view(torch.float16).float()[:, :, None, :]
         s = d * _unpack_six_bit_planes(params[..., 64:160]).float()
-        level0 = -(dmin * _unpack_six_bit_planes(params[..., 160:]).float())
+        level0 = -(halves(32) * _unpack_six_bit_planes(params[..., 160:]).float())
         return torch.stack((s, level0), dim=3).reshape(num_tiles, supers * 8, 2, gemv.TILE)
     affine = nbytes >= 112 and (nbytes - _AFFINE_HEAD) % 32 == 0
     head = _AFFINE_HEAD if affine else _CENTERED_HEAD
     groups = (nbytes - head) // (32 if affine else 16)
-    d = params[..., :32].contiguous().view(torch.float16).float()[:, :, None, :]  # (T, S, 1, 16)
     body = params[..., head:].contiguous().view(torch.int8).view(num_tiles, supers, groups, -1, gemv.TILE)
     s = d * body[:, :, :, 0].float()  # (T, S, G, 16): float32(d) * sc, gguf's rounding
     if not affine:
         return s.reshape(num_tiles, supers * groups, gemv.TILE)
-    dmin = params[..., 32:64].contiguous().view(torch.float16).float()[:, :, None, :]
+    dmin = halves(32)
     c = params[..., 64:80].float()[:, :, None, :]
     level0 = -(dmin * body[:, :, :, 1].float()) - c * s
     return torch.stack((s, level0), dim=3).reshape(num_tiles, supers * groups, 2, gemv.TILE)

@@ -165,6 +165,28 @@ def test_k_quant_layers_hold_the_files_bytes(qtypes: tuple[str, ...]):
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_parts_split_over_threads_by_bytes_compute_every_tile_once(threads: int):
+    """The parts op gives each thread a run of tiles of about equal bytes, across part
+    boundaries (10 tiles of 4 KiB, then 6 of 6 KiB: two threads split at 38 KiB, inside the
+    first part's last tile): its output equals each part's own call."""
+    layer = MergedColumnParallelLinear(IN, [160, 96], bias=False)
+    layer.set_quant_method(gguf_method({"Q4_K", "Q6_K"}, kernel=True, activations="int8"))
+    for shard, qtype in enumerate(("Q4_K", "Q6_K")):
+        layer.weight.weight_loader(layer.weight, _tensor(qtype, shard + 1, rows=(160, 96)[shard])[0], shard)
+    layer.quant_method.process_weights_after_loading(layer)
+    parts = [(layer.qweight_quads_0, layer.scale_tiles_0), (layer.qweight_quads_1, layer.scale_tiles_1)]
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(12))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = gemv.bits_q8_parts(x, [q for q, _ in parts], [p for _, p in parts], None)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, torch.cat([gemv.bits_q8(x, q, p, None) for q, p in parts], dim=-1))
+
+
+@needs_kernel
 def test_int8_activations_give_a_row_the_same_bits_in_any_batch():
     """A row's result does not depend on the rows beside it (each row is rounded alone and its
     sums run in one order): speculative decoding's verify steps and batched decode give the
